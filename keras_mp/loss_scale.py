@@ -1,0 +1,479 @@
+"""Dynamic and static loss scaling: one pure update rule and the optimizer that runs it.
+
+The rule (`update_loss_scale`) is a pure function of (state, grads-finite) written in
+`keras.ops`, so it runs inside the compiled train step on every backend with no host
+synchronisation. `LossScaleOptimizer` subclasses Keras' own, so `model.compile` and
+Keras' auto-wrapping under `mixed_float16` keep working, and it uses the same rule on the
+stateful path (TensorFlow, PyTorch) and on `stateless_apply` (JAX).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import keras
+from keras import ops
+
+__all__ = [
+    "LossScaleConfig",
+    "LossScaleOptimizer",
+    "LossScaleState",
+    "update_loss_scale",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    """The constants of a loss-scaling rule, validated on construction.
+
+    Args:
+        initial_scale: starting scale, within `[min_scale, max_scale]`.
+        growth_interval: consecutive finite steps after which the scale grows.
+        growth_factor: factor (> 1) applied on growth.
+        backoff_factor: factor in (0, 1) applied when the hysteresis is exhausted.
+        min_scale: floor of the scale (> 0).
+        max_scale: ceiling of the scale (finite, >= min_scale).
+        hysteresis: overflowing steps tolerated before backing off (>= 1); it is
+            restored whenever the scale grows (as in Megatron-LM).
+        dynamic: `False` keeps the scale at `initial_scale` forever; non-finite
+            steps are still skipped and counted.
+    """
+
+    initial_scale: float = 2.0**16
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    hysteresis: int = 1
+    dynamic: bool = True
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(
+                f"LossScaleOptimizer: invalid `{name}`={getattr(self, name)!r}: {why}."
+            )
+
+        for name in ("initial_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                bad(name, "expected a number")
+            if not math.isfinite(value):
+                bad(name, "must be finite")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad(name, "expected a positive integer")
+            if value <= 0:
+                bad(name, "must be a positive integer")
+        if not isinstance(self.dynamic, bool):
+            bad("dynamic", "expected True or False")
+        if self.growth_factor <= 1:
+            bad("growth_factor", "must be > 1")
+        if not 0 < self.backoff_factor < 1:
+            bad("backoff_factor", "must lie in (0, 1)")
+        if self.min_scale <= 0:
+            bad("min_scale", "must be > 0")
+        if self.min_scale > self.max_scale:
+            bad("min_scale", f"must be <= max_scale={self.max_scale!r}")
+        if self.max_scale > 3.4e38:
+            bad("max_scale", "must be representable in float32")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            bad(
+                "initial_scale",
+                f"must lie in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]",
+            )
+
+
+class LossScaleState(NamedTuple):
+    """Everything the rule carries from one step to the next.
+
+    Attributes:
+        scale: float32 scalar, the current loss scale.
+        good_steps: int32 scalar, consecutive finite steps since the last change.
+        hysteresis_left: int32 scalar, overflows still tolerated before a backoff.
+        skipped_steps: int32 scalar, total steps skipped for non-finite gradients.
+        last_overflow_step: int32 scalar, index of the last skipped step (-1: none).
+        nonfinite_mask: int32 vector, 1 for each variable whose gradient was non-finite
+            in the last overflow.
+    """
+
+    scale: Any
+    good_steps: Any
+    hysteresis_left: Any
+    skipped_steps: Any
+    last_overflow_step: Any
+    nonfinite_mask: Any
+
+
+def update_loss_scale(
+    state: LossScaleState,
+    per_variable_finite: Any,
+    step: Any,
+    config: LossScaleConfig,
+) -> LossScaleState:
+    """The loss-scaling rule: returns the state after one step.
+
+    On a non-finite step the hysteresis counter drops; once it is exhausted the scale
+    is multiplied by `backoff_factor` (floored at `min_scale`). After `growth_interval`
+    consecutive finite steps the scale is multiplied by `growth_factor` (capped at
+    `max_scale`) and the hysteresis is restored. With `config.dynamic=False` the scale
+    never changes. The scale therefore stays finite and within `[min_scale, max_scale]`.
+
+    Args:
+        state: the `LossScaleState` before the step.
+        per_variable_finite: bool vector, one entry per gradient (True: all finite).
+        step: int32 scalar, index of this step (applied plus skipped steps before it).
+        config: the `LossScaleConfig`.
+
+    Returns:
+        The new `LossScaleState`.
+
+    Example:
+
+    >>> cfg = LossScaleConfig(initial_scale=8.0)
+    >>> s = initial_loss_scale_state(cfg, num_variables=1)
+    >>> s = update_loss_scale(s, ops.array([False]), 0, cfg)
+    >>> float(s.scale)
+    4.0
+    """
+    per_variable_finite = ops.convert_to_tensor(per_variable_finite, dtype="bool")
+    finite = ops.all(per_variable_finite)
+    one = ops.ones((), "int32")
+    zero = ops.zeros((), "int32")
+    scale = ops.cast(state.scale, "float32")
+
+    good = ops.where(finite, state.good_steps + one, zero)
+    hyst = ops.where(finite, state.hysteresis_left, ops.maximum(state.hysteresis_left - one, zero))
+    if config.dynamic:
+        grow = ops.logical_and(finite, good >= config.growth_interval)
+        back = ops.logical_and(ops.logical_not(finite), hyst <= 0)
+        grown = ops.minimum(scale * config.growth_factor, config.max_scale)
+        shrunk = ops.maximum(scale * config.backoff_factor, config.min_scale)
+        scale = ops.where(grow, grown, ops.where(back, shrunk, scale))
+        good = ops.where(grow, zero, good)
+        hyst = ops.where(grow, ops.full((), config.hysteresis, "int32"), hyst)
+    mask = ops.where(
+        finite,
+        ops.cast(state.nonfinite_mask, "int32"),
+        ops.cast(ops.logical_not(per_variable_finite), "int32"),
+    )
+    return LossScaleState(
+        scale=ops.cast(scale, "float32"),
+        good_steps=ops.cast(good, "int32"),
+        hysteresis_left=ops.cast(hyst, "int32"),
+        skipped_steps=ops.cast(state.skipped_steps + ops.where(finite, zero, one), "int32"),
+        last_overflow_step=ops.cast(
+            ops.where(finite, state.last_overflow_step, ops.cast(step, "int32")), "int32"
+        ),
+        nonfinite_mask=mask,
+    )
+
+
+def initial_loss_scale_state(config: LossScaleConfig, num_variables: int) -> LossScaleState:
+    """The state before the first step (numpy values)."""
+    import numpy as np
+
+    return LossScaleState(
+        scale=np.float32(config.initial_scale),
+        good_steps=np.int32(0),
+        hysteresis_left=np.int32(config.hysteresis),
+        skipped_steps=np.int32(0),
+        last_overflow_step=np.int32(-1),
+        nonfinite_mask=np.zeros((num_variables,), "int32"),
+    )
+
+
+def _is_sparse(g) -> bool:
+    return hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape")
+
+
+def _values(g):
+    return g.values if _is_sparse(g) else g
+
+
+def _per_variable_finite(grads) -> Any:
+    flags = [
+        ops.ones((), "bool") if g is None else ops.all(ops.isfinite(_values(g))) for g in grads
+    ]
+    if not flags:
+        return ops.ones((0,), "bool")
+    return ops.stack(flags)
+
+
+_STATE_VARIABLES = {
+    # LossScaleState field -> optimizer variable attribute
+    "scale": "dynamic_scale",
+    "good_steps": "step_counter",
+    "hysteresis_left": "hysteresis_left",
+    "skipped_steps": "skipped_steps",
+    "last_overflow_step": "last_overflow_step",
+    "nonfinite_mask": "nonfinite_mask",
+}
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Loss-scaling optimizer with bounded dynamic scaling, hysteresis and telemetry.
+
+    Wraps `inner_optimizer`. Each step the loss is multiplied by the current scale;
+    the gradients are checked for inf/NaN and unscaled in float32 before the inner
+    optimizer sees them (so its `clipnorm`/`global_clipnorm` clip true gradients).
+    A step with any non-finite gradient is skipped: no weight, no optimizer slot and
+    no `iterations` change. The scale follows `update_loss_scale`, which keeps it
+    finite and inside `[min_scale, max_scale]`.
+
+    Unlike stock Keras (whose defaults are `initial_scale=2**15`, no bounds, no
+    hysteresis), the default `initial_scale` is `2**16` and the scale is capped at
+    `max_scale=2**24` and floored at `min_scale=1`.
+
+    Telemetry, kept as optimizer variables (saved, restored and synchronised like any
+    other): `dynamic_scale` (alias `loss_scale`), `step_counter` (consecutive good
+    steps), `hysteresis_left`, `skipped_steps`, `last_overflow_step` and
+    `nonfinite_mask` (which variables had non-finite gradients in the last overflow;
+    see `nonfinite_variable_names()`).
+
+    Args:
+        inner_optimizer: the `keras.optimizers.Optimizer` to wrap (not itself a
+            `LossScaleOptimizer`).
+        initial_scale: starting scale.
+        growth_interval: consecutive finite steps before the scale grows.
+        growth_factor: growth multiplier (> 1).
+        backoff_factor: backoff multiplier in (0, 1).
+        min_scale: floor of the scale.
+        max_scale: ceiling of the scale.
+        hysteresis: overflows tolerated before backing off.
+        dynamic: `False` for a static scale fixed at `initial_scale`.
+        name: optimizer name.
+
+    Example:
+
+    >>> opt = LossScaleOptimizer(keras.optimizers.AdamW(1e-3), initial_scale=2.0**15)
+    >>> model.compile(optimizer=opt, loss="mse")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        initial_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        hysteresis: int = 1,
+        dynamic: bool = True,
+        name: str | None = None,
+        **kwargs,
+    ):
+        if "dynamic_growth_steps" in kwargs:  # stock Keras' name for the same thing
+            growth_interval = kwargs.pop("dynamic_growth_steps")
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "LossScaleOptimizer: `inner_optimizer` is already a LossScaleOptimizer "
+                f"({inner_optimizer.name!r}); wrapping it again would scale the loss twice. "
+                "Pass its `inner_optimizer` instead."
+            )
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise ValueError(
+                "LossScaleOptimizer: `inner_optimizer` must be a keras.optimizers.Optimizer, "
+                f"got {type(inner_optimizer).__name__}."
+            )
+        config = LossScaleConfig(
+            initial_scale=initial_scale,
+            growth_interval=growth_interval,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            hysteresis=hysteresis,
+            dynamic=dynamic,
+        )
+        super().__init__(
+            inner_optimizer,
+            initial_scale=float(initial_scale),
+            dynamic_growth_steps=growth_interval,
+            name=name,
+            **kwargs,
+        )
+        self.loss_scale_config = config
+
+    # -- arguments, as read-only views of the config ---------------------------------
+
+    growth_interval = property(lambda self: self.loss_scale_config.growth_interval)
+    growth_factor = property(lambda self: self.loss_scale_config.growth_factor)
+    backoff_factor = property(lambda self: self.loss_scale_config.backoff_factor)
+    min_scale = property(lambda self: self.loss_scale_config.min_scale)
+    max_scale = property(lambda self: self.loss_scale_config.max_scale)
+    hysteresis = property(lambda self: self.loss_scale_config.hysteresis)
+    dynamic = property(lambda self: self.loss_scale_config.dynamic)
+
+    @property
+    def loss_scale(self):
+        """The current loss scale (a float32 variable)."""
+        return self.dynamic_scale
+
+    # -- state ---------------------------------------------------------------------
+
+    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        init = initial_loss_scale_state(self.loss_scale_config, len(var_list))
+
+        def add(name, value, dtype):
+            return self.add_variable(
+                shape=tuple(value.shape),
+                dtype=dtype,
+                initializer=keras.initializers.Constant(value)
+                if value.ndim == 0
+                else keras.initializers.Zeros(),
+                aggregation="none",
+                name=name,
+            )
+
+        # Same names and order as stock Keras for the first two (checkpoint compatible).
+        self.step_counter = add("step_counter", init.good_steps, "int32")
+        self.dynamic_scale = add("dynamic_scale", init.scale, "float32")
+        self.hysteresis_left = add("hysteresis_left", init.hysteresis_left, "int32")
+        self.skipped_steps = add("skipped_steps", init.skipped_steps, "int32")
+        self.last_overflow_step = add("last_overflow_step", init.last_overflow_step, "int32")
+        self.nonfinite_mask = add("nonfinite_mask", init.nonfinite_mask, "int32")
+        self.inner_optimizer.build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    def _read_state(self) -> LossScaleState:
+        return LossScaleState(
+            **{f: getattr(self, a).value for f, a in _STATE_VARIABLES.items()}
+        )
+
+    def _write_state(self, state: LossScaleState) -> None:
+        for f, a in _STATE_VARIABLES.items():
+            getattr(self, a).assign(getattr(state, f))
+
+    def _step_index(self):
+        return ops.cast(self.iterations, "int32") + ops.cast(self.skipped_steps, "int32")
+
+    def _unscale(self, grads, trainable_variables, scale):
+        out = []
+        for g, v in zip(grads, trainable_variables):
+            if g is None or self._overwrite_variable_with_gradient(v):
+                out.append(g)
+                continue
+            values = _values(g)
+            unscaled = ops.cast(ops.divide(ops.cast(values, "float32"), scale), values.dtype)
+            out.append(type(g)(unscaled, g.indices, g.dense_shape) if _is_sparse(g) else unscaled)
+        return out
+
+    # -- stateless path (JAX) ------------------------------------------------------
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        if not self.built:
+            raise ValueError(
+                "To call `stateless_apply`, LossScaleOptimizer must be built (i.e. its "
+                "variables must have been created). Call `optimizer.build(trainable_variables)`."
+            )
+        n_own = len(self._variables)
+        own_values = list(optimizer_variables[:n_own])
+        inner_values = list(optimizer_variables[n_own:])
+        per_var = _per_variable_finite(grads)
+        finite = ops.all(per_var)
+        mapping = list(zip(self._variables, own_values)) + list(
+            zip(self.inner_optimizer.variables, inner_values)
+        )
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            state = self._read_state()
+            step = self._step_index()
+            unscaled = self._unscale(grads, self._trainable_variables, state.scale)
+            new_trainable, new_inner = ops.cond(
+                finite,
+                lambda: tuple(
+                    self.inner_optimizer.stateless_apply(inner_values, unscaled, trainable_variables)
+                ),
+                lambda: (list(trainable_variables), list(inner_values)),
+            )
+            self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
+            new_own = [scope.get_current_value(v) for v in self._variables]
+        return list(new_trainable), new_own + list(new_inner)
+
+    # -- stateful path (TensorFlow, PyTorch) -----------------------------------------
+
+    def _apply_and_update(self, grads, trainable_variables, per_var):
+        """Skip-or-apply, then the rule; `per_var` is already decided across replicas."""
+        finite = ops.all(per_var)
+        tvs = trainable_variables or self._trainable_variables
+        state = self._read_state()
+        step = self._step_index()
+        unscaled = self._unscale(grads, tvs, state.scale)
+
+        def apply_fn():
+            self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+
+        ops.cond(finite, apply_fn, lambda: None)
+        self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
+
+    def _common_apply(self, grads, trainable_variables=None):
+        self._apply_and_update(grads, trainable_variables, _per_variable_finite(grads))
+
+    def _tf_apply(self, grads, trainable_variables=None):
+        """TensorFlow: under a strategy, decide on the all-reduced gradients once."""
+        import tensorflow as tf
+
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            self._common_apply(grads, trainable_variables=trainable_variables)
+            return
+
+        def cross_replica(distribution, grads, trainable_variables):
+            per_replica = distribution.extended.call_for_each_replica(
+                _per_variable_finite, args=(grads,)
+            )
+            # Gradients are all-reduced, so every replica computed the same flags.
+            per_var = distribution.experimental_local_results(per_replica)[0]
+            finite = ops.all(per_var)
+            state = self._read_state()
+            step = self._step_index()
+
+            def apply_fn():
+                def replica_apply(grads, tvs):
+                    scale = self.dynamic_scale.value
+                    unscaled = self._unscale(grads, tvs or self._trainable_variables, scale)
+                    self.inner_optimizer.apply(unscaled, trainable_variables=tvs)
+
+                distribution.extended.call_for_each_replica(
+                    replica_apply, args=(grads, trainable_variables)
+                )
+
+            ops.cond(finite, apply_fn, lambda: None)
+            self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
+
+        tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(grads, trainable_variables)
+        )
+
+    # -- helpers -------------------------------------------------------------------
+
+    def nonfinite_variable_names(self) -> list[str]:
+        """Paths of the variables whose gradients were non-finite in the last overflow.
+
+        Returns:
+            A list of variable paths (empty before the first overflow).
+        """
+        if not self.built:
+            return []
+        mask = keras.ops.convert_to_numpy(self.nonfinite_mask.value)
+        return [v.path for v, m in zip(self._trainable_variables, mask) if m]
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("dynamic_growth_steps", None)
+        config.update(dataclasses.asdict(self.loss_scale_config))
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if "dynamic_growth_steps" in config:
+            config["growth_interval"] = config.pop("dynamic_growth_steps")
+        return super().from_config(config, custom_objects=custom_objects)

@@ -1,0 +1,30 @@
+"""Shared test set-up: the backend comes from KERAS_BACKEND (default tensorflow)."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+BACKEND = keras.backend.backend()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs the TensorFlow backend")
+    for item in items:
+        if BACKEND != "tensorflow" and "tf_only" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _reset_keras_state():
+    """Every test starts from float32, a fixed seed and a clean session."""
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(0)
+    np.random.seed(0)
+    yield
+    keras.config.set_dtype_policy("float32")
+    keras.backend.clear_session()
