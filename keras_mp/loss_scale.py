@@ -20,6 +20,7 @@ __all__ = [
     "LossScaleConfig",
     "LossScaleOptimizer",
     "LossScaleState",
+    "initial_loss_scale_state",
     "update_loss_scale",
 ]
 
@@ -122,6 +123,9 @@ def update_loss_scale(
     `max_scale`) and the hysteresis is restored. With `config.dynamic=False` the scale
     never changes. The scale therefore stays finite and within `[min_scale, max_scale]`.
 
+    Every field may carry leading batch dimensions (independent scalers updated at
+    once); `per_variable_finite` then has shape `batch + (num_variables,)`.
+
     Args:
         state: the `LossScaleState` before the step.
         per_variable_finite: bool vector, one entry per gradient (True: all finite).
@@ -140,7 +144,7 @@ def update_loss_scale(
     4.0
     """
     per_variable_finite = ops.convert_to_tensor(per_variable_finite, dtype="bool")
-    finite = ops.all(per_variable_finite)
+    finite = ops.all(per_variable_finite, axis=-1)
     one = ops.ones((), "int32")
     zero = ops.zeros((), "int32")
     scale = ops.cast(state.scale, "float32")
@@ -156,7 +160,7 @@ def update_loss_scale(
         good = ops.where(grow, zero, good)
         hyst = ops.where(grow, ops.full((), config.hysteresis, "int32"), hyst)
     mask = ops.where(
-        finite,
+        ops.expand_dims(finite, -1),
         ops.cast(state.nonfinite_mask, "int32"),
         ops.cast(ops.logical_not(per_variable_finite), "int32"),
     )
