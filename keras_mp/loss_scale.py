@@ -392,7 +392,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             new_trainable, new_inner = ops.cond(
                 finite,
                 lambda: tuple(
-                    self.inner_optimizer.stateless_apply(inner_values, unscaled, trainable_variables)
+                    self.inner_optimizer.stateless_apply(
+                        inner_values, unscaled, trainable_variables
+                    )
                 ),
                 lambda: (list(trainable_variables), list(inner_values)),
             )

@@ -34,14 +34,16 @@ def reference_rule(cfg, flags_per_step):
         if all(flags):
             good += 1
             if cfg.dynamic and good >= cfg.growth_interval:
-                scale = min(float(np.float32(scale) * np.float32(cfg.growth_factor)), cfg.max_scale)
+                grown = float(np.float32(scale) * np.float32(cfg.growth_factor))
+                scale = min(grown, cfg.max_scale)
                 good, hyst = 0, cfg.hysteresis
         else:
             good, skipped, last = 0, skipped + 1, step
             hyst = max(hyst - 1, 0)
             mask = [0 if f else 1 for f in flags]
             if cfg.dynamic and hyst <= 0:
-                scale = max(float(np.float32(scale) * np.float32(cfg.backoff_factor)), cfg.min_scale)
+                shrunk = float(np.float32(scale) * np.float32(cfg.backoff_factor))
+                scale = max(shrunk, cfg.min_scale)
         out.append(dict(scale=float(np.float32(scale)), good=good, hyst=hyst, skipped=skipped,
                         last=last, mask=list(mask)))
     return out
