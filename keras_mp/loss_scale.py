@@ -422,21 +422,27 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._apply_and_update(grads, trainable_variables, _per_variable_finite(grads))
 
     def _tf_apply(self, grads, trainable_variables=None):
-        """TensorFlow: under a strategy, decide on the all-reduced gradients once."""
+        """TensorFlow: under a strategy, all replicas decide on the same all-reduced flags."""
         import tensorflow as tf
+
+        from keras_mp.tf.distribute import check_jit_compile
 
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
+        check_jit_compile()
+        # `grads` are this replica's own (the inner optimizer all-reduces them later), so
+        # agree on the flags first: every replica then skips or applies together.
+        ctx = tf.distribute.get_replica_context()
+        per_var = _per_variable_finite(grads)
+        if ctx.num_replicas_in_sync > 1:
+            bad = ctx.all_reduce("sum", ops.cast(ops.logical_not(per_var), "float32"))
+            per_var = ops.equal(bad, 0.0)
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._common_apply(grads, trainable_variables=trainable_variables)
+            self._apply_and_update(grads, trainable_variables, per_var)
             return
 
-        def cross_replica(distribution, grads, trainable_variables):
-            per_replica = distribution.extended.call_for_each_replica(
-                _per_variable_finite, args=(grads,)
-            )
-            # Gradients are all-reduced, so every replica computed the same flags.
-            per_var = distribution.experimental_local_results(per_replica)[0]
+        def cross_replica(distribution, grads, trainable_variables, per_var):
+            per_var = distribution.experimental_local_results(per_var)[0]  # all equal
             finite = ops.all(per_var)
             state = self._read_state()
             step = self._step_index()
@@ -454,9 +460,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ops.cond(finite, apply_fn, lambda: None)
             self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
 
-        tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(grads, trainable_variables)
-        )
+        ctx.merge_call(cross_replica, args=(grads, trainable_variables, per_var))
 
     # -- helpers -------------------------------------------------------------------
 

@@ -1,0 +1,187 @@
+"""Reading loss-scale telemetry during `fit` without a host sync, and writing it out.
+
+Private helpers of `keras_mp.callbacks`. On the JAX backend `fit` keeps the state in
+`model._jax_state` during an epoch (the model's variables are detached); touching
+`callback.model` would sync all of it, so `_StateReader` reads single optimizer variables
+from that state instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import logging
+import os
+
+import keras
+import numpy as np
+
+from keras_mp.loss_scale import LossScaleOptimizer
+
+__all__ = [
+    "ScalarWriter",
+    "StateReader",
+    "StepCounter",
+    "Telemetry",
+    "choice",
+    "has_tensorboard",
+    "loss_scale_optimizer",
+    "positive_int",
+]
+
+logger = logging.getLogger("keras_mp")
+
+
+def loss_scale_optimizer(model) -> keras.optimizers.LossScaleOptimizer | None:
+    opt = getattr(model, "optimizer", None)
+    return opt if isinstance(opt, keras.optimizers.LossScaleOptimizer) else None
+
+
+class StateReader:
+    """Reads optimizer variables of `model`, from the JAX training state when it is live."""
+
+    def __init__(self, model):
+        self.model = model
+        self._index: dict[int, int] | None = None
+
+    def read(self, variable) -> np.ndarray:
+        model = self.model
+        state = getattr(model, "_jax_state", None)
+        if state and not getattr(model, "_jax_state_synced", True):
+            values = state.get("optimizer_variables")
+            if values:
+                if self._index is None:
+                    self._index = {id(v): i for i, v in enumerate(model.optimizer.variables)}
+                i = self._index.get(id(variable))
+                if i is not None:
+                    return np.asarray(values[i])
+        return keras.ops.convert_to_numpy(variable.value)
+
+
+class Telemetry:
+    """The loss-scale quantities of a (keras_mp or stock Keras) LossScaleOptimizer."""
+
+    def __init__(self, model, who: str):
+        opt = loss_scale_optimizer(model)
+        if opt is None:
+            name = type(getattr(model, "optimizer", None)).__name__
+            raise ValueError(
+                f"{who} needs a model compiled with a LossScaleOptimizer, but the model's "
+                f"optimizer is {name}. Wrap it: `kmp.LossScaleOptimizer(optimizer)` (or compile "
+                "under the 'mixed_float16' policy, which wraps it automatically)."
+            )
+        self.optimizer = opt
+        self.reader = StateReader(model)
+        # Stock Keras has no skip counter: skips are then derived from `iterations`.
+        self.has_counter = isinstance(opt, LossScaleOptimizer)
+        self.min_scale = float(opt.min_scale) if self.has_counter else 1.0
+
+    def scale(self) -> float:
+        if not self.optimizer.built:  # TensorFlow builds it in the first step
+            return float(self.optimizer.initial_scale)
+        return float(self.reader.read(self.optimizer.dynamic_scale))
+
+    def applied(self) -> int:
+        return int(self.reader.read(self.optimizer.inner_optimizer.iterations))
+
+    def skipped(self) -> int | None:
+        if not self.has_counter:
+            return None
+        if not self.optimizer.built:
+            return 0
+        return int(self.reader.read(self.optimizer.skipped_steps))
+
+
+class StepCounter:
+    """Steps and skipped steps since `on_train_begin`, for either optimizer kind."""
+
+    def __init__(self, telemetry: Telemetry):
+        self.t = telemetry
+        self.steps_before_epoch = 0
+        self.epoch_steps = 0
+        self.applied0 = telemetry.applied()
+        self.skipped0 = telemetry.skipped()
+
+    def begin_epoch(self):
+        self.steps_before_epoch += self.epoch_steps
+        self.epoch_steps = 0
+
+    def end_batch(self, batch: int):
+        self.epoch_steps = batch + 1
+
+    @property
+    def steps(self) -> int:
+        return self.steps_before_epoch + self.epoch_steps
+
+    def skipped(self) -> int:
+        """Total skipped steps (the optimizer's counter; derived for stock Keras)."""
+        if self.t.has_counter:
+            return self.t.skipped()
+        return self.steps - (self.t.applied() - self.applied0)
+
+
+def has_tensorboard() -> bool:
+    return all(importlib.util.find_spec(m) for m in ("tensorflow", "tensorboard"))
+
+
+class ScalarWriter:
+    def __init__(self, log_dir: str, log_format: str):
+        self.log_dir = log_dir
+        has_tb = has_tensorboard()
+        if log_format == "auto":
+            log_format = "tensorboard" if has_tb else "csv"
+            if not has_tb:
+                logger.warning(
+                    "LossScaleMonitor: TensorFlow and TensorBoard are not both installed, so "
+                    "no TensorBoard events can be written; writing %s instead.",
+                    os.path.join(log_dir, "loss_scale.csv"),
+                )
+        elif log_format == "tensorboard" and not has_tb:
+            raise ImportError(
+                "LossScaleMonitor(log_format='tensorboard') needs the `tensorflow` and "
+                "`tensorboard` packages; install them or use log_format='csv'."
+            )
+        self.format = log_format
+        os.makedirs(log_dir, exist_ok=True)
+        if log_format == "tensorboard":
+            import tensorflow as tf
+
+            self._tf = tf
+            self._writer = tf.summary.create_file_writer(os.path.join(log_dir, "train"))
+        else:
+            path = os.path.join(log_dir, "loss_scale.csv")
+            new = not os.path.exists(path)
+            self._file = open(path, "a", newline="")
+            self._csv = csv.writer(self._file)
+            if new:
+                self._csv.writerow(["tag", "step", "value"])
+
+    def write(self, scalars: dict[str, float], step: int):
+        if self.format == "tensorboard":
+            with self._writer.as_default(step=step):
+                for tag, value in scalars.items():
+                    self._tf.summary.scalar(tag, value)
+        else:
+            for tag, value in scalars.items():
+                self._csv.writerow([tag, step, value])
+
+    def close(self):
+        if self.format == "tensorboard":
+            self._writer.flush()
+            self._writer.close()
+        else:
+            self._file.close()
+
+
+def positive_int(owner: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{owner}: `{name}` must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+def choice(owner: str, name: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(
+            f"{owner}: `{name}` must be one of {', '.join(map(repr, choices))}, got {value!r}."
+        )
+    return value

@@ -1,0 +1,426 @@
+"""Callbacks that make loss scaling visible and stop runs that cannot recover.
+
+* `LossScaleMonitor` puts `loss_scale`, `skipped_steps` and the epoch's `overflow_rate`
+  into the logs (so the progress bar, `History` and `CSVLogger` show them) and can write
+  them as TensorBoard scalars.
+* `CollapseGuard` stops (or raises `LossScaleCollapseError`) when the loss scale is stuck
+  at its floor or too many steps are skipped, naming the variables whose gradients were
+  non-finite.
+* `NonFiniteGuard` stops a run whose loss stays non-finite beyond what loss scaling can
+  absorb and names the first layer whose output is non-finite.
+
+The callbacks read the optimizer's state variables only on the steps they check. On the
+JAX backend they read them from the training loop's state (no full state sync), so there
+is no host synchronisation on other steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import deque
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_mp._probe import first_nonfinite_layer
+from keras_mp._telemetry import (
+    ScalarWriter,
+    StepCounter,
+    Telemetry,
+    choice,
+    has_tensorboard,
+    loss_scale_optimizer,
+    positive_int,
+)
+
+__all__ = [
+    "CollapseGuard",
+    "LossScaleCollapseError",
+    "LossScaleMonitor",
+    "NonFiniteGuard",
+]
+
+logger = logging.getLogger("keras_mp")
+
+
+class LossScaleCollapseError(RuntimeError):
+    """Raised by `CollapseGuard(action="raise")` when loss scaling can no longer help."""
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Adds the loss scale and skipped-step counts to the training logs.
+
+    Every `every_n_steps` training steps the batch logs get `loss_scale` (the current
+    scale) and `skipped_steps` (total steps skipped for non-finite gradients); at each
+    epoch end the epoch logs get `loss_scale`, `skipped_steps` and `overflow_rate`
+    (steps skipped in the epoch / steps in the epoch). Put it before other callbacks that
+    read the logs; the progress bar and `History` always come after it. The per-step
+    values are also kept in `self.history` (keys `step`, `loss_scale`, `skipped_steps`).
+
+    Works with `kmp.LossScaleOptimizer` and with Keras' own `LossScaleOptimizer` (which
+    has no skip counter: skips are then derived from its `iterations`, counted from the
+    start of this `fit`).
+
+    Args:
+        log_dir: optional directory for the scalars. `log_format="tensorboard"` writes
+            TensorBoard events to `log_dir/train` (tags `loss_scale`, `skipped_steps` per
+            logged step, `epoch_loss_scale`, `epoch_skipped_steps`,
+            `epoch_overflow_rate` per epoch), next to those of `keras.callbacks.TensorBoard`
+            with the same `log_dir`; it needs the `tensorflow` and `tensorboard` packages
+            (any Keras backend; ImportError otherwise).
+            `"csv"` appends rows `tag,step,value` to `log_dir/loss_scale.csv`. `"auto"`
+            (default) uses TensorBoard when both packages are installed, else CSV (with a
+            logged warning).
+        every_n_steps: log every this many steps (other steps read nothing).
+        log_format: `"auto"`, `"tensorboard"` or `"csv"`.
+
+    Example:
+
+    >>> opt = kmp.LossScaleOptimizer(keras.optimizers.Adam())
+    >>> model.compile(optimizer=opt, loss="mse")  # doctest: +SKIP
+    >>> monitor = kmp.callbacks.LossScaleMonitor(log_dir="logs")  # doctest: +SKIP
+    >>> history = model.fit(x, y, callbacks=[monitor])  # doctest: +SKIP
+    >>> history.history["loss_scale"]  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, log_dir: str | None = None, every_n_steps: int = 1, log_format: str = "auto"
+    ):
+        super().__init__()
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.every_n_steps = positive_int("LossScaleMonitor", "every_n_steps", every_n_steps)
+        self.log_format = choice(
+            "LossScaleMonitor", "log_format", log_format, ("auto", "tensorboard", "csv")
+        )
+        if self.log_dir is not None and log_format == "tensorboard" and not has_tensorboard():
+            raise ImportError(
+                "LossScaleMonitor(log_format='tensorboard') needs the `tensorflow` and "
+                "`tensorboard` packages; install them or use log_format='csv'."
+            )
+        self.history: dict[str, list] = {"step": [], "loss_scale": [], "skipped_steps": []}
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        self._telemetry = Telemetry(self._model, "LossScaleMonitor")
+        self._counter = StepCounter(self._telemetry)
+        self._step0 = self._telemetry.applied() + (self._counter.skipped0 or 0)
+        if self.log_dir is not None and self._writer is None:
+            self._writer = ScalarWriter(self.log_dir, self.log_format)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._counter.begin_epoch()
+        self._epoch_skipped0 = self._counter.skipped()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._counter.end_batch(batch)
+        step = self._counter.steps
+        if step % self.every_n_steps:
+            return
+        scale, skipped = self._telemetry.scale(), self._counter.skipped()
+        if logs is not None:
+            logs["loss_scale"] = scale
+            logs["skipped_steps"] = skipped
+        self.history["step"].append(step)
+        self.history["loss_scale"].append(scale)
+        self.history["skipped_steps"].append(skipped)
+        if self._writer is not None:
+            self._writer.write(
+                {"loss_scale": scale, "skipped_steps": skipped}, self._step0 + step
+            )
+
+    def on_epoch_end(self, epoch, logs=None):
+        scale, skipped = self._telemetry.scale(), self._counter.skipped()
+        steps = self._counter.epoch_steps
+        rate = (skipped - self._epoch_skipped0) / steps if steps else 0.0
+        values = {"loss_scale": scale, "skipped_steps": skipped, "overflow_rate": rate}
+        if logs is not None:
+            logs.update(values)
+        if self._writer is not None:
+            self._writer.write({f"epoch_{k}": v for k, v in values.items()}, epoch)
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def get_config(self):
+        return {
+            "log_dir": self.log_dir,
+            "every_n_steps": self.every_n_steps,
+            "log_format": self.log_format,
+        }
+
+
+# -- CollapseGuard ------------------------------------------------------------------------
+
+_COLLAPSE_HINT = (
+    "The gradients stay non-finite however far the scale backs off, so loss scaling cannot "
+    "fix them: look at the layers of the named variables (an op with an infinite derivative, "
+    "such as sqrt or log at 0, or activations above the float16 maximum: run "
+    "`kmp.audit(model, (x, y))`), pin them to float32 (`kmp.layers.Float32`), or train with "
+    "'mixed_bfloat16'."
+)
+_FIX_HINT = (
+    "Loss scaling cannot fix non-finite values produced in the forward pass or by the loss: "
+    "run `kmp.audit(model, (x, y))` to find activations above the float16 maximum, pin those "
+    "layers to float32 (`kmp.layers.Float32`, or `keep_fp32` in `kmp.Policy`), or train "
+    "with 'mixed_bfloat16', which has the range of float32."
+)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class CollapseGuard(keras.callbacks.Callback):
+    """Stops training when loss scaling has collapsed.
+
+    Every `check_every` steps it reads the scale and the skip counter. It fires when
+      * the scale has been at or below its floor (`min_scale`, by default the
+        optimizer's own `min_scale`; 1.0 for Keras' `LossScaleOptimizer`) for
+        `patience` consecutive checks, or
+      * more than `max_skip_rate` of the last `window` steps were skipped.
+
+    Firing sets `model.stop_training = True` and logs the diagnosis (`action="stop"`), or
+    raises `LossScaleCollapseError` (`action="raise"`). The diagnosis, also kept in
+    `self.diagnosis` (with the step in `self.stopped_step`), says what happened and
+    names the variables whose gradients were non-finite in the last overflow.
+
+    Args:
+        patience: consecutive checks at the floor before firing.
+        min_scale: the floor; `None` uses the optimizer's `min_scale`.
+        max_skip_rate: fire when the fraction of skipped steps over the last `window`
+            steps exceeds this, in (0, 1].
+        window: steps over which the skip rate is measured (it is judged once that many
+            steps have run in this `fit`).
+        action: `"stop"` or `"raise"`.
+        check_every: read the optimizer every this many steps.
+
+    Example:
+
+    >>> guard = kmp.callbacks.CollapseGuard(patience=10, action="raise")
+    >>> model.fit(x, y, callbacks=[guard])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        patience: int = 10,
+        min_scale: float | None = None,
+        max_skip_rate: float = 0.5,
+        window: int = 100,
+        action: str = "stop",
+        check_every: int = 1,
+    ):
+        super().__init__()
+        self.patience = positive_int("CollapseGuard", "patience", patience)
+        if min_scale is not None and (
+            isinstance(min_scale, bool)
+            or not isinstance(min_scale, (int, float))
+            or not 0 < min_scale < math.inf
+        ):
+            raise ValueError(
+                f"CollapseGuard: `min_scale` must be None or a finite number > 0, "
+                f"got {min_scale!r}."
+            )
+        self.min_scale = min_scale
+        if isinstance(max_skip_rate, bool) or not isinstance(max_skip_rate, (int, float)) or not (
+            0 < max_skip_rate <= 1
+        ):
+            raise ValueError(
+                f"CollapseGuard: `max_skip_rate` must be a number in (0, 1], got {max_skip_rate!r}."
+            )
+        self.max_skip_rate = float(max_skip_rate)
+        self.window = positive_int("CollapseGuard", "window", window)
+        self.action = choice("CollapseGuard", "action", action, ("stop", "raise"))
+        self.check_every = positive_int("CollapseGuard", "check_every", check_every)
+        self.diagnosis: str | None = None
+        self.stopped_step: int | None = None
+
+    def on_train_begin(self, logs=None):
+        self._telemetry = Telemetry(self._model, "CollapseGuard")
+        self._counter = StepCounter(self._telemetry)
+        self._floor = self.min_scale if self.min_scale is not None else self._telemetry.min_scale
+        self._at_floor = 0
+        self._checks: deque = deque([(0, self._counter.skipped())])
+        self.diagnosis = None
+        self.stopped_step = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._counter.begin_epoch()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._counter.end_batch(batch)
+        step = self._counter.steps
+        if step % self.check_every:
+            return
+        scale, skipped = self._telemetry.scale(), self._counter.skipped()
+        self._at_floor = self._at_floor + 1 if scale <= self._floor * (1 + 1e-6) else 0
+        checks = self._checks
+        checks.append((step, skipped))
+        while len(checks) > 2 and step - checks[1][0] >= self.window:
+            checks.popleft()
+        span = step - checks[0][0]
+        rate = (skipped - checks[0][1]) / span if span else 0.0
+        if self._at_floor >= self.patience:
+            what = (
+                f"the loss scale has been at its floor ({scale:g} <= {self._floor:g}) for "
+                f"{self._at_floor} consecutive checks"
+            )
+        elif span >= self.window and rate > self.max_skip_rate:
+            what = (
+                f"{rate:.0%} of the last {span} steps were skipped for non-finite gradients "
+                f"(max_skip_rate={self.max_skip_rate:g}; loss scale now {scale:g})"
+            )
+        else:
+            return
+        self._fire(what, step, skipped)
+
+    def _fire(self, what: str, step: int, skipped: int):
+        opt = self.model.optimizer  # `self.model` syncs the JAX state once, here.
+        if hasattr(opt, "nonfinite_variable_names"):
+            names = opt.nonfinite_variable_names()
+            culprits = (
+                "Gradients were non-finite in the last overflow for: " + ", ".join(names) + "."
+                if names
+                else "No variable is recorded with a non-finite gradient."
+            )
+        else:
+            culprits = "(Keras' LossScaleOptimizer does not record which gradients overflowed.)"
+        self.stopped_step = step
+        self.diagnosis = (
+            f"Loss-scale collapse at step {step}: {what}; {skipped} step(s) skipped in total. "
+            f"{culprits} {_COLLAPSE_HINT}"
+        )
+        if self.action == "raise":
+            raise LossScaleCollapseError(self.diagnosis)
+        logger.warning("CollapseGuard stops training. %s", self.diagnosis)
+        self.model.stop_training = True
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def get_config(self):
+        return {
+            "patience": self.patience,
+            "min_scale": self.min_scale,
+            "max_skip_rate": self.max_skip_rate,
+            "window": self.window,
+            "action": self.action,
+            "check_every": self.check_every,
+        }
+
+
+# -- NonFiniteGuard -----------------------------------------------------------------------
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class NonFiniteGuard(keras.callbacks.Callback):
+    """Stops a run whose loss stays non-finite and names the layer that overflows.
+
+    A step counts as bad when the running loss in the batch logs is non-finite and,
+    with a `LossScaleOptimizer`, the step was skipped (so the scaler did not absorb it).
+    The guard fires after `patience` consecutive bad steps, or at once when a bad step
+    happens with the scale already at its floor (it cannot back off further).
+
+    Keras does not hand the training batch to callbacks, so the diagnosis runs the model
+    layer by layer on `diagnose_data` (a batch `x` or `(x, y)` you supply, e.g. the first
+    training batch) and names the first layer, in execution order, whose output is
+    non-finite (for float16 layers: above 65504). Without `diagnose_data`, or for a
+    subclassed model, the diagnosis says so. It is kept in `self.diagnosis` (the layer
+    name in `self.culprit`, the step in `self.stopped_step`).
+
+    Args:
+        patience: consecutive bad steps before firing.
+        diagnose_data: `x` or `(x, y)` used to locate the overflowing layer.
+        action: `"stop"` (set `model.stop_training` and log) or `"raise"`
+            (`FloatingPointError`).
+
+    Example:
+
+    >>> guard = kmp.callbacks.NonFiniteGuard(patience=3, diagnose_data=x[:64])
+    >>> model.fit(x, y, callbacks=[guard])  # doctest: +SKIP
+    >>> guard.culprit  # doctest: +SKIP
+    'dense_1'
+    """
+
+    def __init__(self, patience: int = 3, diagnose_data: Any = None, action: str = "stop"):
+        super().__init__()
+        self.patience = positive_int("NonFiniteGuard", "patience", patience)
+        self.diagnose_data = diagnose_data
+        self.action = choice("NonFiniteGuard", "action", action, ("stop", "raise"))
+        self.diagnosis: str | None = None
+        self.culprit: str | None = None
+        self.stopped_step: int | None = None
+
+    def on_train_begin(self, logs=None):
+        opt = loss_scale_optimizer(self._model)
+        self._telemetry = None if opt is None else Telemetry(self._model, "NonFiniteGuard")
+        self._steps = 0
+        self._bad = 0
+        self.diagnosis = self.culprit = self.stopped_step = None
+
+    def _this_step_skipped(self) -> bool:
+        t = self._telemetry
+        if t is None or not t.has_counter:
+            return True  # a non-finite loss gives non-finite gradients: the step is skipped
+        last = int(t.reader.read(t.optimizer.last_overflow_step))
+        return last == t.applied() + t.skipped() - 1
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        loss = (logs or {}).get("loss")
+        # The logged loss is the epoch's running mean: once non-finite it stays so for the
+        # epoch, so with a loss scaler a step only counts when it was itself skipped.
+        if loss is None or math.isfinite(loss) or not self._this_step_skipped():
+            self._bad = 0
+            return
+        self._bad += 1
+        t = self._telemetry
+        at_floor = t is not None and t.scale() <= t.min_scale * (1 + 1e-6)
+        if self._bad >= self.patience or at_floor:
+            why = f"the loss has been non-finite for {self._bad} consecutive step(s)" + (
+                " with the loss scale at its floor" if at_floor else ""
+            )
+            self._fire(why)
+
+    def _fire(self, why: str):
+        model = self.model  # syncs the JAX state so the diagnosis sees the current weights
+        self.stopped_step = self._steps
+        corrupted = [
+            v.path for v in model.trainable_variables
+            if not np.all(np.isfinite(keras.ops.convert_to_numpy(v.value)))
+        ]
+        if corrupted:
+            where = (
+                f"The weights are already non-finite ({', '.join(corrupted[:5])}"
+                + (", ..." if len(corrupted) > 5 else "")
+                + "): the optimizer applied a non-finite step, so the overflowing layer can "
+                "no longer be located. Compile with `kmp.LossScaleOptimizer`, which skips "
+                "such steps and keeps the weights intact."
+            )
+        elif self.diagnose_data is None:
+            where = (
+                "Pass `diagnose_data=` (a training batch) to NonFiniteGuard to locate the "
+                "layer whose output overflows."
+            )
+        else:
+            self.culprit, where = first_nonfinite_layer(model, self.diagnose_data)
+        self.diagnosis = f"Non-finite loss at step {self._steps}: {why}. {where} {_FIX_HINT}"
+        if self.action == "raise":
+            raise FloatingPointError(self.diagnosis)
+        logger.warning("NonFiniteGuard stops training. %s", self.diagnosis)
+        model.stop_training = True
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def get_config(self):
+        # `diagnose_data` is data, not configuration: it is not serialized.
+        return {"patience": self.patience, "action": self.action}
