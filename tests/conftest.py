@@ -27,4 +27,4 @@ def _reset_keras_state():
     np.random.seed(0)
     yield
     keras.config.set_dtype_policy("float32")
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
