@@ -1,0 +1,377 @@
+"""Tests for keras_mp.policies: Policy, the FP32 keep-list, set_global_policy and convert."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp as kmp
+from keras_mp import policies
+
+LOW = ("mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
+
+
+def _policy(name, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # pure float16/bfloat16 warn by design
+        return policies.Policy(name, **kwargs)
+
+
+def _mlp(name="mlp"):
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.Dense(8, name="head_proj")(x)
+    x = keras.layers.LayerNormalization(name="ln")(x)
+    x = keras.layers.Dense(4, name="logits")(x)
+    outputs = keras.layers.Softmax(name="probs")(x)
+    return keras.Model(inputs, outputs, name=name)
+
+
+def _weights_equal(a, b):
+    return len(a.weights) == len(b.weights) and all(
+        np.array_equal(keras.ops.convert_to_numpy(x.value), keras.ops.convert_to_numpy(y.value))
+        for x, y in zip(a.weights, b.weights, strict=True)
+    )
+
+
+# --- Policy -------------------------------------------------------------------------------
+
+
+def test_policy_names_dtypes_and_base():
+    table = {
+        "float32": ("float32", "float32"),
+        "mixed_float16": ("float16", "float32"),
+        "mixed_bfloat16": ("bfloat16", "float32"),
+        "float16": ("float16", "float16"),
+        "bfloat16": ("bfloat16", "bfloat16"),
+    }
+    assert policies.VALID_NAMES == tuple(table)
+    for name, (compute, variable) in table.items():
+        policy = _policy(name)
+        assert isinstance(policy, keras.DTypePolicy)
+        assert (policy.compute_dtype, policy.variable_dtype) == (compute, variable)
+        assert type(policy.base) is keras.DTypePolicy and policy.base.name == name
+        assert policy.has_master_weights == (variable == "float32")
+        assert policy.keep_fp32 == kmp.DEFAULT_KEEP_FP32
+
+
+def test_pure_policies_warn_about_master_weights():
+    for name in ("float16", "bfloat16"):
+        with pytest.warns(UserWarning, match="no FP32 master weights"):
+            policies.Policy(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            policies.Policy("mixed_" + name)  # no warning for the mixed policy
+
+
+def test_unknown_policy_name_lists_valid_names():
+    for bad in ("mixed_float32", "fp16", "int8", ""):
+        with pytest.raises(ValueError, match="Valid names") as info:
+            policies.Policy(bad)
+        for name in policies.VALID_NAMES:
+            assert repr(name) in str(info.value)
+
+
+def test_float8_is_reserved_with_a_clear_error():
+    with pytest.raises(ValueError, match="'float8' is planned"):
+        policies.Policy("float8")
+
+
+def test_bad_keep_list_entry_lists_valid_entries():
+    for bad in (3, None, keras.layers.Dense(2), dict, ""):
+        with pytest.raises(ValueError, match="Invalid keep_fp32 entry") as info:
+            policies.Policy("mixed_bfloat16", keep_fp32=["softmax", bad])
+        assert "['attention', 'output', 'softmax']" in str(info.value)
+
+
+def test_keep_list_must_be_a_collection():
+    with pytest.raises(ValueError, match="keep_fp32 must be a list/tuple"):
+        policies.Policy("mixed_bfloat16", keep_fp32="softmax")
+
+
+def test_for_layer_pins_keep_list_layers_only_under_low_precision():
+    policy = _policy("mixed_bfloat16")
+    pinned = [
+        keras.layers.Softmax(),
+        keras.layers.Activation("log_softmax"),
+        keras.layers.Dense(3, activation="softmax"),
+        keras.layers.BatchNormalization(),
+        keras.layers.LayerNormalization(),
+        keras.layers.GroupNormalization(groups=2),
+        keras.layers.UnitNormalization(),
+        keras.layers.RMSNormalization(),
+        keras.layers.Attention(),
+    ]
+    free = [keras.layers.Dense(3), keras.layers.Conv2D(2, 3), keras.layers.Activation("relu")]
+    assert [policy.for_layer(x).name for x in pinned] == ["float32"] * len(pinned)
+    assert [policy.for_layer(x).name for x in free] == ["mixed_bfloat16"] * len(free)
+    # The "output" token needs the model's output layers.
+    dense = keras.layers.Dense(3)
+    assert policy.for_layer(dense, output_layers=[dense]).name == "float32"
+    # Under float32 there is nothing to pin.
+    assert _policy("float32").for_layer(keras.layers.Softmax()).name == "float32"
+    assert policy.keep_entry(keras.layers.LayerNormalization()) == "LayerNormalization"
+
+
+def test_keep_list_extension_and_removal():
+    head = keras.layers.Dense(3, name="cls_head")
+    norm = keras.layers.LayerNormalization()
+    extended = _policy("mixed_float16", keep_fp32=kmp.DEFAULT_KEEP_FP32 + ("*head*",))
+    assert extended.for_layer(head).name == "float32"
+    assert _policy("mixed_float16").for_layer(head).name == "mixed_float16"
+    by_class = _policy("mixed_float16", keep_fp32=[keras.layers.Dense])
+    assert by_class.for_layer(head).name == "float32"
+    removed = [e for e in kmp.DEFAULT_KEEP_FP32 if e != "LayerNormalization"]
+    assert _policy("mixed_float16", keep_fp32=removed).for_layer(norm).name == "mixed_float16"
+
+
+def test_dtype_policy_map_over_layer_paths():
+    model = _mlp()
+    policy_map = _policy("mixed_bfloat16").dtype_policy_map(model)
+    assert isinstance(policy_map, keras.dtype_policies.DTypePolicyMap)
+    assert policy_map.default_policy.name == "mixed_bfloat16"
+    assert sorted(policy_map) == ["bn", "ln", "logits"]  # Softmax has no path (no weights)
+    assert policy_map["logits"].name == "float32"
+    assert policy_map["hidden"].name == "mixed_bfloat16"
+
+
+def test_policy_config_round_trip_and_serialization():
+    policy = _policy("mixed_float16", keep_fp32=[keras.layers.Dense, "*head*", "output"])
+    config = policy.get_config()
+    assert config == {"name": "mixed_float16", "keep_fp32": ["Dense", "*head*", "output"]}
+    restored = policies.Policy.from_config(config)
+    assert restored == policies.Policy("mixed_float16", keep_fp32=["Dense", "*head*", "output"])
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(policy))
+    assert again == restored and restored.for_layer(keras.layers.Dense(2)).name == "float32"
+    # A Policy works as a layer's dtype and survives the layer's config.
+    layer = keras.layers.Dense(2, dtype=policies.Policy("mixed_bfloat16"))
+    clone = keras.layers.Dense.from_config(layer.get_config())
+    assert clone.compute_dtype == "bfloat16" and clone.variable_dtype == "float32"
+
+
+def test_set_global_policy_sets_keras_policy_and_is_remembered():
+    policy = _policy("mixed_bfloat16", keep_fp32=("softmax",))
+    kmp.set_global_policy(policy)
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+    assert type(keras.config.dtype_policy()) is keras.DTypePolicy
+    assert kmp.global_policy() is policy
+    dense = keras.layers.Dense(2)
+    assert (dense.compute_dtype, dense.variable_dtype) == ("bfloat16", "float32")
+    kmp.set_global_policy("float32")
+    assert kmp.global_policy() == policies.Policy("float32")
+    keras.config.set_dtype_policy("mixed_float16")  # changed behind our back
+    assert kmp.global_policy() == policies.Policy("mixed_float16")
+    with pytest.raises(ValueError, match="Valid names"):
+        kmp.set_global_policy("half")
+
+
+# --- convert ------------------------------------------------------------------------------
+
+
+def _check_converted(model, converted, policy_name, pinned):
+    """Every layer runs as the keep-list says; the original is untouched."""
+    low = _policy(policy_name).compute_dtype
+    for layer in converted._flatten_layers(include_self=False):
+        if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
+            continue
+        expected = "float32" if layer.name in pinned else low
+        assert layer.compute_dtype == expected, layer.name
+        own = layer._trainable_variables + layer._non_trainable_variables
+        for variable in own:
+            assert variable.dtype == ("float32" if layer.name in pinned else layer.variable_dtype)
+    assert all(x.dtype_policy.name == "float32" for x in model._flatten_layers())
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_bfloat16", "bfloat16"])
+def test_convert_functional_pins_keep_list_and_copies_weights(policy_name):
+    model = _mlp()
+    before = [keras.ops.convert_to_numpy(w.value).copy() for w in model.weights]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        converted = kmp.convert(model, policy_name)
+    assert converted is not model
+    _check_converted(model, converted, policy_name, pinned={"bn", "ln", "logits", "probs"})
+    after = [keras.ops.convert_to_numpy(w.value) for w in model.weights]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    if policy_name == "mixed_bfloat16":
+        assert _weights_equal(model, converted)  # FP32 master weights, bit-identical
+    x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
+    y_ref = keras.ops.convert_to_numpy(model(x))
+    y = keras.ops.convert_to_numpy(converted(x))
+    assert y.dtype == np.float32
+    # bfloat16 keeps 8 mantissa bits: probabilities agree to a few 1e-3.
+    np.testing.assert_allclose(y, y_ref, atol=2e-2)
+
+
+def test_convert_sequential_nested_and_output_activation():
+    inner = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, name="inner_dense"),
+            keras.layers.LayerNormalization(name="inner_ln"),
+        ],
+        name="inner",
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            inner,
+            keras.layers.Dense(3, name="out"),
+            keras.layers.Activation("softmax", name="act"),
+        ],
+        name="outer",
+    )
+    converted = kmp.convert(model, "mixed_bfloat16")
+    assert isinstance(converted, keras.Sequential)
+    # "out" is pinned as the logits layer feeding the output Activation.
+    _check_converted(model, converted, "mixed_bfloat16", pinned={"inner_ln", "out", "act"})
+    assert _weights_equal(model, converted)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class _Block(keras.layers.Layer):
+    """A custom layer whose sublayers are created in __init__ without dtype=."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.proj = keras.layers.Dense(units, name="proj")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+
+    def call(self, x):
+        return self.norm(x + self.proj(x))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class _Classifier(keras.Model):
+    def __init__(self, classes=3, **kwargs):
+        super().__init__(**kwargs)
+        self.classes = classes
+        self.block = _Block(8, name="block")
+        self.head = keras.layers.Dense(classes, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+    def get_config(self):
+        return {**super().get_config(), "classes": self.classes}
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_convert_pins_sublayers_of_custom_layers_before_build(kind):
+    if kind == "functional":
+        inputs = keras.Input((8,))
+        model = keras.Model(
+            inputs, keras.layers.Dense(3, name="head")(_Block(name="block")(inputs))
+        )
+    else:
+        model = _Classifier()
+        model(np.zeros((1, 8), "float32"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        converted = kmp.convert(model, "float16")  # pure: pinned variables must be FP32
+    assert type(converted) is type(model)
+    proj, norm = converted.get_layer("block").proj, converted.get_layer("block").norm
+    assert (proj.compute_dtype, proj.kernel.dtype) == ("float16", "float16")
+    assert (norm.compute_dtype, norm.gamma.dtype) == ("float32", "float32")
+    head = converted.get_layer("head")
+    assert (head.compute_dtype, head.kernel.dtype) == ("float32", "float32")  # output layer
+    assert _weights_equal(model, converted) is False  # float16 copies are rounded ...
+    np.testing.assert_array_equal(  # ... but FP32-pinned layers are carried exactly
+        keras.ops.convert_to_numpy(norm.gamma.value),
+        keras.ops.convert_to_numpy(model.get_layer("block").norm.gamma.value),
+    )
+
+
+def test_convert_swaps_attention_and_softmax_for_keras_mp_layers():
+    layers = pytest.importorskip("keras_mp.layers")
+    inputs = keras.Input((6, 8))
+    x = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs, inputs)
+    scores = keras.layers.Softmax(name="sm")(keras.layers.Dense(6, name="d")(x))
+    model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D(name="pool")(scores))
+    converted = kmp.convert(model, "mixed_bfloat16")
+    assert type(converted.get_layer("mha")) is layers.MultiHeadAttention
+    assert type(converted.get_layer("sm")) is layers.Softmax
+    sublayers = converted.get_layer("mha")._flatten_layers()
+    assert len(sublayers) == 7  # itself, query/key/value/output projections, softmax, dropout
+    assert {x.compute_dtype for x in sublayers} == {"bfloat16"}  # softmax: FP32 inside
+    assert _weights_equal(model, converted)
+    # Without the "attention" entry the stock layer stays, its softmax pinned to float32.
+    keep = [e for e in kmp.DEFAULT_KEEP_FP32 if e != "attention"]
+    stock = kmp.convert(model, policies.Policy("mixed_bfloat16", keep_fp32=keep))
+    mha = stock.get_layer("mha")
+    assert type(mha) is keras.layers.MultiHeadAttention
+    assert mha._softmax.compute_dtype == "float32" and mha.compute_dtype == "bfloat16"
+    x = np.random.default_rng(1).normal(size=(4, 6, 8)).astype("float32")
+    ref = keras.ops.convert_to_numpy(model(x))
+    for m in (converted, stock):
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(m(x)), ref, atol=2e-2)
+
+
+def test_convert_rejects_unbuilt_and_unclonable_models():
+    with pytest.raises(ValueError, match="not built"):
+        kmp.convert(keras.Sequential([keras.layers.Dense(2)]), "mixed_bfloat16")
+
+    class NoConfig(keras.Model):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def call(self, x):
+            return self.layer(x)
+
+    model = NoConfig(keras.layers.Dense(2))
+    model(np.zeros((1, 3), "float32"))
+    with pytest.raises(ValueError, match="get_config"):
+        kmp.convert(model, "mixed_bfloat16")
+    with pytest.raises(ValueError, match="Valid names"):
+        kmp.convert(_mlp(), "fp16")
+
+
+def test_convert_warns_about_keep_entries_matching_nothing():
+    policy = _policy("mixed_bfloat16", keep_fp32=kmp.DEFAULT_KEEP_FP32 + ("*encoder*",))
+    with pytest.warns(UserWarning, match=r"\['\*encoder\*'\] match no layer"):
+        kmp.convert(_mlp(), policy)
+
+
+@pytest.mark.parametrize(
+    "policy_name", ["mixed_bfloat16", pytest.param("mixed_float16", marks=pytest.mark.tf_only)]
+)
+def test_converted_model_trains_a_few_steps(policy_name):
+    model = _mlp()
+    before = [keras.ops.convert_to_numpy(w.value).copy() for w in model.weights]
+    converted = kmp.convert(model, policy_name)
+    optimizer = keras.optimizers.Adam(1e-2)
+    if policy_name == "mixed_float16":
+        optimizer = kmp.LossScaleOptimizer(optimizer)
+    converted.compile(
+        optimizer=optimizer,
+        loss="sparse_categorical_crossentropy",
+        jit_compile=False,  # tiny model: XLA compile would cost more than float16 on CPU
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+    history = converted.fit(x, y, batch_size=16, epochs=4, verbose=0)
+    losses = history.history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0]
+    assert converted.get_layer("hidden").kernel.dtype == "float32"  # master weights stay FP32
+    assert not _weights_equal(model, converted)  # it trained; the original did not:
+    for snapshot, w in zip(before, model.weights, strict=True):  # (no buffer shared on JAX)
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(w.value), snapshot)
+
+
+def test_converted_model_saves_and_loads_without_keras_mp_policy(tmp_path):
+    converted = kmp.convert(_mlp(), "mixed_bfloat16")
+    path = str(tmp_path / "mixed.keras")
+    converted.save(path)
+    loaded = keras.saving.load_model(path)
+    dtypes = {x.name: x.dtype_policy.name for x in loaded.layers[1:]}  # after the InputLayer
+    assert dtypes == {x.name: x.dtype_policy.name for x in converted.layers[1:]}
+    assert dtypes["ln"] == "float32" and dtypes["hidden"] == "mixed_bfloat16"
+    assert _weights_equal(converted, loaded)
