@@ -16,9 +16,55 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 
 from keras_mp.loss_scale import LossScaleOptimizer
 
+# --- layers, losses, formats (helper "layers"): modules ---
+# isort: split
+from keras_mp import formats, layers, losses
+
+# isort: split
+
+# --- policies (helper "policies") ---
+from keras_mp.policies import (
+    DEFAULT_KEEP_FP32,
+    Policy,
+    convert,
+    global_policy,
+    set_global_policy,
+)
+
+# --- save / export (helper "save"); keras_mp.tf imports tensorflow only when called ---
+# isort: split
+from keras_mp import saving
+from keras_mp.tf.export import export_saved_model
+
+# --- observe (helper "observe"): `audit` is the function (it shadows the module name) ---
+# isort: split
+from keras_mp import callbacks, hardware
+from keras_mp.audit import AuditReport, audit
+from keras_mp.callbacks import LossScaleCollapseError
+
+# --- FP8 training (helper "float8"): module ---
+# isort: split
+from keras_mp import float8
+
 __version__ = "0.1.0"
 
 __all__ = [
     "LossScaleOptimizer",
+    "formats",
+    "layers",
+    "losses",
+    "DEFAULT_KEEP_FP32",
+    "Policy",
+    "convert",
+    "global_policy",
+    "set_global_policy",
+    "export_saved_model",
+    "saving",
+    "callbacks",
+    "hardware",
+    "float8",
+    "audit",
+    "AuditReport",
+    "LossScaleCollapseError",
     "__version__",
 ]
