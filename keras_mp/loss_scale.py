@@ -418,6 +418,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ops.cond(finite, apply_fn, lambda: None)
         self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
 
+    def apply(self, grads, trainable_variables=None):
+        """Applies one (possibly skipped) step to the variables.
+
+        On JAX, where a stateful `cond` cannot assign, this runs `stateless_apply` on
+        the current values and assigns the results, so custom loops work there too.
+
+        Args:
+            grads: the scaled gradients, one per trainable variable.
+            trainable_variables: the variables (default: those given to `build`).
+        """
+        if keras.backend.backend() != "jax" or keras.src.backend.in_stateless_scope():
+            return super().apply(grads, trainable_variables)
+        if not self.built:
+            self.build(trainable_variables)
+        tvs = list(trainable_variables or self._trainable_variables)
+        new_tvs, new_ovs = self.stateless_apply(
+            [v.value for v in self.variables], grads, [v.value for v in tvs]
+        )
+        for ref, value in zip(tvs, new_tvs):
+            ref.assign(value)
+        for ref, value in zip(self.variables, new_ovs):
+            ref.assign(value)
+
     def _common_apply(self, grads, trainable_variables=None):
         self._apply_and_update(grads, trainable_variables, _per_variable_finite(grads))
 

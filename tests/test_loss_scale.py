@@ -402,3 +402,15 @@ def test_mixed_float16_compile_uses_ours_without_double_wrapping():
     model.fit(x, keras.utils.to_categorical(y, 4), batch_size=32, epochs=1, verbose=0)
     assert int(opt.iterations) + int(opt.skipped_steps) == 2
     assert float(opt.loss_scale) <= 2.0**24  # capped even with a huge initial scale request
+
+
+def test_apply_in_a_custom_loop_on_every_backend():
+    """`apply` works eagerly on JAX too (it routes through `stateless_apply`)."""
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=4.0)
+    v = [keras.Variable(np.ones((2,), "float32"))]
+    opt.apply([ops.ones((2,)) * 4.0], v)  # builds on first use
+    np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [0.5, 0.5])
+    opt.apply([ops.array([np.nan, 1.0])], v)
+    np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [0.5, 0.5])
+    assert float(opt.loss_scale) == 2.0 and int(opt.iterations) == 1
+    assert int(opt.skipped_steps) == 1 and int(opt.last_overflow_step) == 1
