@@ -1,0 +1,488 @@
+"""FP8 training with delayed per-tensor scaling, on Keras' own float8 path.
+
+Keras trains `Dense` and `EinsumDense` in FP8 after `layer.quantize("float8")`: the inputs
+and the kernel are quantized to E4M3, the output gradient to E5M2, each with a per-tensor
+scale derived from a window (history) of recent absolute maxima. The scales and histories
+are layer variables that the optimizer overwrites with the values the custom gradient
+returns, so they are saved, restored and synchronised like weights.
+
+This module adds a recipe in the manner of Transformer Engine's `DelayedScaling`
+(`Float8Recipe`: margin, history length, "max"/"most_recent" amax, HYBRID or all-E4M3),
+layers that run it (`Float8Dense`, `Float8EinsumDense`, and attention layers whose
+projections run it), and `apply_float8(model)`, which turns a built model's matmul layers
+into FP8 in place. Without FP8 tensor cores the quantize-dequantize runs emulated: the
+numerics are those of FP8, the speed is not (see `float8_speedup_expected`).
+
+Scale conventions: `compute_scale` returns Transformer Engine's scale,
+`fp8_max / amax / 2**margin` (values are multiplied by it before the cast to FP8); the
+Keras variables (`inputs_scale`, `kernel_scale`, `outputs_grad_scale`) hold its reciprocal
+(values are divided by them). The history's entry 0 is the newest amax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import keras
+import ml_dtypes
+import numpy as np
+from keras import ops
+from keras.dtype_policies import DTypePolicyMap, QuantizedFloat8DTypePolicy
+
+from keras_mp import layers as kmp_layers
+
+__all__ = [
+    "Float8DTypePolicy",
+    "Float8Dense",
+    "Float8EinsumDense",
+    "Float8MultiHeadAttention",
+    "Float8Recipe",
+    "Float8SoftmaxMultiHeadAttention",
+    "apply_float8",
+    "compute_scale",
+    "float8_layers",
+    "float8_speedup_expected",
+    "float8_speedup_reason",
+    "float8_state",
+]
+
+_ALGOS = ("max", "most_recent")
+_FORMATS = ("HYBRID", "E4M3")
+_FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+_TENSORS = ("inputs", "kernel", "outputs_grad")
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+    """How FP8 scales are derived, like Transformer Engine's `DelayedScaling`.
+
+    Each FP8 tensor (a layer's inputs, its kernel, its output gradient) keeps a history
+    of its last `amax_history_len` absolute maxima. Before each step's cast the tensor is
+    multiplied by `scale = fp8_max / amax / 2**margin`, where `amax` is the maximum of the
+    history (`"max"`) or its newest entry (`"most_recent"`); the scale used at step t is
+    computed from the history up to step t-1 (delayed scaling).
+
+    Args:
+        margin: Non-negative integer; the scale is divided by `2**margin` to leave
+            headroom for growing values.
+        amax_history_len: Length of the amax history window (>= 1).
+        amax_compute_algo: `"max"` (over the window) or `"most_recent"`.
+        fp8_format: `"HYBRID"` (E4M3 for inputs and kernels, E5M2 for the output
+            gradients: Keras' default) or `"E4M3"` (E4M3 everywhere).
+
+    Example:
+
+    ```python
+    recipe = kmp.float8.Float8Recipe(margin=1, amax_history_len=16)
+    kmp.float8.apply_float8(model, recipe)
+    ```
+    """
+
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    fp8_format: str = "HYBRID"
+
+    def __post_init__(self):
+        def check(name, ok, valid):
+            if not ok:
+                raise ValueError(
+                    f"Float8Recipe: invalid `{name}`={getattr(self, name)!r}. Valid: {valid}."
+                )
+
+        def is_int(v):
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        check("margin", is_int(self.margin) and self.margin >= 0, "an integer >= 0")
+        check(
+            "amax_history_len",
+            is_int(self.amax_history_len) and self.amax_history_len >= 1,
+            "an integer >= 1",
+        )
+        check("amax_compute_algo", self.amax_compute_algo in _ALGOS, list(_ALGOS))
+        check("fp8_format", self.fp8_format in _FORMATS, list(_FORMATS))
+
+    @property
+    def gradient_dtype(self) -> str:
+        """The FP8 dtype of the output gradients: `float8_e5m2` (HYBRID) or `float8_e4m3fn`."""
+        return "float8_e5m2" if self.fp8_format == "HYBRID" else "float8_e4m3fn"
+
+    def get_config(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> Float8Recipe:
+        return cls(**config)
+
+
+def _recipe(recipe) -> Float8Recipe:
+    if recipe is None:
+        return Float8Recipe()
+    if isinstance(recipe, dict):
+        return Float8Recipe.from_config(recipe)
+    if not isinstance(recipe, Float8Recipe):
+        raise ValueError(f"`recipe` must be a Float8Recipe or its config dict. Got {recipe!r}.")
+    return recipe
+
+
+def _amax(amax_history, algo: str):
+    return ops.max(amax_history, axis=0) if algo == "max" else amax_history[0]
+
+
+def compute_scale(amax_history, recipe: Float8Recipe | None = None,
+                  fp8_dtype: str = "float8_e4m3fn", scale=1.0):
+    """The recipe's FP8 scale for one tensor: `fp8_max / amax / 2**margin`.
+
+    Args:
+        amax_history: 1-D tensor of absolute maxima, newest first.
+        recipe: A `Float8Recipe` (default `Float8Recipe()`).
+        fp8_dtype: `"float8_e4m3fn"` (max 448) or `"float8_e5m2"` (max 57344).
+        scale: Returned instead when the amax is zero or not finite (nothing seen yet,
+            or an overflow): the previous scale.
+
+    Returns:
+        A float32 scalar tensor: the multiplier applied before the cast to FP8.
+
+    Example:
+
+    >>> float(compute_scale(np.array([2.0, 7.0, 0.0]), Float8Recipe(margin=1)))  # 448 / 7 / 2
+    32.0
+    """
+    recipe = _recipe(recipe)
+    if fp8_dtype not in _FP8_DTYPES:
+        raise ValueError(f"compute_scale: invalid `fp8_dtype`={fp8_dtype!r}. Valid: {_FP8_DTYPES}.")
+    new, ok = _scale(amax_history, recipe, fp8_dtype)
+    return ops.where(ok, new, ops.cast(scale, "float32"))
+
+
+def _scale(amax_history, recipe: Float8Recipe, fp8_dtype: str):
+    """(fp8_max / amax / 2**margin, whether amax is usable: > 0 and finite)."""
+    fp8_max = float(ml_dtypes.finfo(fp8_dtype).max)
+    amax = _amax(ops.cast(amax_history, "float32"), recipe.amax_compute_algo)
+    ok = ops.logical_and(ops.greater(amax, 0.0), ops.isfinite(amax))
+    safe_amax = ops.where(ok, amax, 1.0)
+    return ops.divide(ops.divide(fp8_max, safe_amax), float(2**recipe.margin)), ok
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class Float8DTypePolicy(QuantizedFloat8DTypePolicy):
+    """Keras' float8 dtype policy, carrying a `Float8Recipe`.
+
+    Its `amax_history_length` is the recipe's; `Float8Dense`, `Float8EinsumDense` and the
+    float8 attention layers read the rest of the recipe from it. Saved with the layer.
+
+    Args:
+        recipe: A `Float8Recipe` or its config dict (default `Float8Recipe()`).
+        source_name: The policy the non-matmul math runs under, e.g. `"mixed_bfloat16"`
+            (default: the global policy).
+    """
+
+    def __init__(self, recipe: Float8Recipe | dict | None = None, source_name: str | None = None):
+        self.recipe = _recipe(recipe)
+        super().__init__("float8", source_name, self.recipe.amax_history_len)
+
+    def __eq__(self, other):
+        return super().__eq__(other) and self.recipe == other.recipe
+
+    def get_config(self) -> dict:
+        return {"recipe": self.recipe.get_config(), "source_name": self._source_name}
+
+
+def _recipe_of(layer) -> Float8Recipe:
+    """The recipe a float8 layer runs (Keras' defaults for a stock float8 policy)."""
+    policy = layer.dtype_policy
+    if isinstance(policy, DTypePolicyMap) and layer.path:
+        policy = policy[layer.path]
+    recipe = getattr(policy, "recipe", None)
+    if recipe is None:  # stock QuantizedFloat8DTypePolicy: max over its window, HYBRID
+        return Float8Recipe(amax_history_len=int(layer.inputs_amax_history.shape[0]))
+    return recipe
+
+
+def _with_variables(grads, variables):
+    """TF eager also wants gradients for variables read under the tape (stock Keras fails
+    there): the variables' values reach these functions as the inputs, which carry them."""
+    return (grads, [None] * len(variables)) if variables else grads
+
+
+def _float8_matmul(layer, inputs, training, contract):
+    """Keras' `_float8_call` with the recipe's scale rule and formats (see module doc)."""
+    if layer.lora_enabled:
+        raise NotImplementedError(f"Layer {layer.name!r}: float8 training doesn't support LoRA.")
+    recipe, dtype = _recipe_of(layer), layer.compute_dtype
+
+    def new_scale_inv(history, scale_inv, fp8_dtype):  # Keras' variables hold 1 / scale
+        scale, ok = _scale(history, recipe, fp8_dtype)
+        return ops.where(ok, ops.reciprocal(scale), scale_inv)
+
+    @ops.custom_gradient
+    def qdq_forward(x, scale_inv, history):
+        fp8 = "float8_e4m3fn"
+        new_history = new_scale = None
+        if training:
+            new_history = keras.quantizers.compute_float8_amax_history(x, history)
+            new_scale = new_scale_inv(new_history, scale_inv, fp8)
+
+        def grad(*args, upstream=None, variables=None):
+            grads = (args[0] if upstream is None else upstream), new_scale, new_history
+            return _with_variables(grads, variables)
+
+        return keras.quantizers.quantize_and_dequantize(x, scale_inv, fp8, dtype), grad
+
+    @ops.custom_gradient
+    def qdq_backward(x, scale_inv, history):
+        fp8 = recipe.gradient_dtype
+
+        def grad(*args, upstream=None, variables=None):
+            upstream = args[0] if upstream is None else upstream
+            new_history = keras.quantizers.compute_float8_amax_history(upstream, history)
+            qdq = keras.quantizers.quantize_and_dequantize(upstream, scale_inv, fp8, dtype)
+            grads = qdq, new_scale_inv(new_history, scale_inv, fp8), new_history
+            return _with_variables(grads, variables)
+
+        return x, grad
+
+    def var(name):
+        return ops.convert_to_tensor(getattr(layer, name))
+
+    x = contract(
+        qdq_forward(inputs, var("inputs_scale"), var("inputs_amax_history")),
+        qdq_forward(var("_kernel"), var("kernel_scale"), var("kernel_amax_history")),
+    )
+    # Right after the matmul, as in Keras, so that XLA fuses the qdq pairs into FP8 GEMMs.
+    x = qdq_backward(x, var("outputs_grad_scale"), var("outputs_grad_amax_history"))
+    if layer.bias is not None:
+        x = ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class Float8Dense(keras.layers.Dense):
+    """`keras.layers.Dense` whose float8 mode follows the `Float8Recipe` of its policy.
+
+    Same arguments and weights as `Dense`; give it a `Float8DTypePolicy` (or let
+    `apply_float8` convert a built `Dense`).
+    """
+
+    def _float8_call(self, inputs, training=None):
+        return _float8_matmul(self, inputs, training, ops.matmul)
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        return super().quantize(mode, type_check=False, config=config)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class Float8EinsumDense(keras.layers.EinsumDense):
+    """`keras.layers.EinsumDense` whose float8 mode follows the `Float8Recipe` of its policy."""
+
+    def _float8_call(self, inputs, training=None):
+        return _float8_matmul(self, inputs, training, lambda a, b: ops.einsum(self.equation, a, b))
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        return super().quantize(mode, type_check=False, config=config)
+
+
+_FP8_CLASSES = {keras.layers.Dense: Float8Dense, keras.layers.EinsumDense: Float8EinsumDense}
+
+
+def _to_float8(layer, recipe: Float8Recipe) -> None:
+    """Quantizes a built stock `Dense`/`EinsumDense` to float8 under `recipe`, in place."""
+    source = layer.dtype_policy
+    if isinstance(source, DTypePolicyMap):
+        source = source[layer.path]
+    layer.dtype_policy = Float8DTypePolicy(recipe, source.name)  # runs layer.quantize("float8")
+    # Same state, Keras' `_float8_call` replaced by the recipe's; saved under this class.
+    layer.__class__ = _FP8_CLASSES[type(layer)]
+    # The kernel is known now: start its history (and scale) from its amax, not from 1.0.
+    kernel_amax = ops.reshape(ops.max(ops.abs(layer.kernel)), [1])
+    history = ops.scatter_update(ops.zeros((recipe.amax_history_len,)), [[0]], kernel_amax)
+    scale, ok = _scale(history, recipe, "float8_e4m3fn")
+    if bool(ok):
+        layer.kernel_amax_history.assign(history)
+        layer.kernel_scale.assign(ops.reciprocal(scale))
+
+
+class _Float8AttentionMixin:
+    """Attention whose projection `EinsumDense` layers (listed by name) run float8."""
+
+    def __init__(self, *args, float8_recipe=None, float8_projections=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.float8_recipe = _recipe(float8_recipe)
+        self.float8_projections = tuple(float8_projections)
+
+    def build(self, *args, **kwargs):
+        super().build(*args, **kwargs)
+        for sub in self._layers:
+            if sub.name in self.float8_projections and sub.quantization_mode is None:
+                _to_float8(sub, self.float8_recipe)
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config["float8_recipe"] = self.float8_recipe.get_config()
+        config["float8_projections"] = list(self.float8_projections)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class Float8MultiHeadAttention(_Float8AttentionMixin, keras.layers.MultiHeadAttention):
+    """`keras.layers.MultiHeadAttention` with FP8 projections (see `apply_float8`).
+
+    Args:
+        float8_recipe: A `Float8Recipe` or its config dict.
+        float8_projections: Names of the projections that run FP8 (`"query"`, `"key"`,
+            `"value"`, `"attention_output"`, `"gate"`).
+        **kwargs: The arguments of `keras.layers.MultiHeadAttention`.
+    """
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class Float8SoftmaxMultiHeadAttention(_Float8AttentionMixin, kmp_layers.MultiHeadAttention):
+    """`keras_mp.layers.MultiHeadAttention` (FP32 softmax) with FP8 projections.
+
+    Args: as `Float8MultiHeadAttention`.
+    """
+
+
+_ATTENTION_CLASSES = {
+    keras.layers.MultiHeadAttention: Float8MultiHeadAttention,
+    kmp_layers.MultiHeadAttention: Float8SoftmaxMultiHeadAttention,
+}
+
+
+def apply_float8(model: keras.Model, recipe: Float8Recipe | None = None,
+                 exclude: Callable[[keras.layers.Layer], bool] | None = None) -> keras.Model:
+    """Makes a built model's `Dense` and `EinsumDense` layers train in FP8, in place.
+
+    Every `keras.layers.Dense` and `keras.layers.EinsumDense` (exact classes, nested ones
+    included, and the projections of `keras.layers.MultiHeadAttention` and
+    `keras_mp.layers.MultiHeadAttention`) is quantized to float8 under `recipe`. Left as
+    they are: layers computing in float32 inside a model that does not (the FP32
+    keep-list, e.g. the output logits layer), layers for which `exclude(layer)` is true,
+    and layers already quantized. Everything else keeps its policy: call this on a model
+    already under `"mixed_bfloat16"` with the keep-list applied (`kmp.convert`).
+
+    The weights are kept; FP8 scales and amax histories are added (the kernel's from its
+    current amax, the others 1.0 and zeros until the first step). Call it before
+    `compile`/`fit`. The result round-trips through `.keras` files for Functional and
+    Sequential models; layers that a subclassed model's `__init__` recreates as stock
+    layers won't load their FP8 state, and subclasses of `MultiHeadAttention` are skipped.
+
+    Args:
+        model: A built `keras.Model`.
+        recipe: A `Float8Recipe` (default `Float8Recipe()`).
+        exclude: Optional predicate; layers (and attention projections) for which it
+            returns True stay as they are.
+
+    Returns:
+        `model`, now with FP8 matmuls.
+
+    Example:
+
+    ```python
+    model = kmp.convert(model, "mixed_bfloat16")
+    kmp.float8.apply_float8(model, kmp.float8.Float8Recipe(amax_history_len=16),
+                            exclude=lambda layer: layer.name.startswith("head"))
+    ```
+    """
+    recipe = _recipe(recipe)
+    if not isinstance(model, keras.Model) or not model.built:
+        raise ValueError(f"apply_float8 takes a built keras.Model. Received: {model!r}")
+    if exclude is not None and not callable(exclude):
+        raise ValueError(f"`exclude` must be a callable (layer -> bool) or None. Got {exclude!r}.")
+    if getattr(model, "optimizer", None) is not None and model.optimizer.built:
+        raise ValueError(
+            f"apply_float8: model {model.name!r} has a built optimizer; apply FP8 before "
+            "training so the optimizer tracks the FP8 scale variables (or compile again)."
+        )
+    model_fp32 = model.compute_dtype == "float32"
+
+    def wanted(layer):
+        pinned = layer.compute_dtype == "float32" and not model_fp32
+        return not pinned and not (exclude and exclude(layer)) and layer.quantization_mode is None
+
+    layers = list(model._flatten_layers(include_self=False))
+    in_attention = {id(s) for x in layers if isinstance(x, keras.layers.MultiHeadAttention)
+                    for s in x._flatten_layers(include_self=False)}
+    for layer in layers:
+        if not layer.built or not wanted(layer):
+            continue
+        if type(layer) in _ATTENTION_CLASSES:
+            names = tuple(s.name for s in layer._layers
+                          if type(s) is keras.layers.EinsumDense and wanted(s))
+            if not names:
+                continue
+            for sub in layer._layers:
+                if sub.name in names:
+                    _to_float8(sub, recipe)
+            layer.__class__ = _ATTENTION_CLASSES[type(layer)]
+            layer.float8_recipe, layer.float8_projections = recipe, names
+        elif type(layer) in _FP8_CLASSES and id(layer) not in in_attention:
+            _to_float8(layer, recipe)
+    return model
+
+
+def float8_layers(model: keras.Model) -> list:
+    """The layers of `model` (nested ones included) that run FP8 matmuls."""
+    return [x for x in model._flatten_layers(include_self=False) if x.quantization_mode == "float8"]
+
+
+def float8_state(model: keras.Model) -> dict:
+    """The current FP8 scales and amaxes of every float8 layer, for audits.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        `{layer.path: {"recipe": Float8Recipe, "inputs" | "kernel" | "outputs_grad":
+        {"dtype", "scale", "scale_inv", "amax", "amax_history"}}}`. `scale` follows
+        `compute_scale` (multiply before the cast), `scale_inv` is the stored variable,
+        `amax` the recipe's amax over the stored history (newest first, numpy array).
+    """
+    out = {}
+    for layer in float8_layers(model):
+        recipe = _recipe_of(layer)
+        entry = {"recipe": recipe}
+        for t in _TENSORS:
+            scale_inv = float(np.asarray(getattr(layer, f"{t}_scale").numpy()))
+            history = np.asarray(getattr(layer, f"{t}_amax_history").numpy())
+            amax = history.max() if recipe.amax_compute_algo == "max" else history[0]
+            entry[t] = {
+                "dtype": recipe.gradient_dtype if t == "outputs_grad" else "float8_e4m3fn",
+                "scale": 1.0 / scale_inv,
+                "scale_inv": scale_inv,
+                "amax": float(amax),
+                "amax_history": history,
+            }
+        out[layer.path] = entry
+    return out
+
+
+def _fp8_devices() -> tuple[bool, str]:
+    from keras_mp import hardware
+
+    gpus = [d for d in hardware.report().devices if d.kind == "GPU"]
+    if not gpus:
+        return False, "no GPU: FP8 matmuls run emulated (quantize-dequantize), slower than bf16"
+    slow = [d for d in gpus if not d.fp8]
+    if slow:
+        d = slow[0]
+        cc = ".".join(map(str, d.compute_capability or ())) or "unknown"
+        return False, (f"{d.model or d.name} (compute capability {cc}) has no FP8 tensor "
+                       "cores (needs >= 8.9): FP8 runs emulated")
+    d = gpus[0]
+    return True, (f"{d.model or d.name} has FP8 tensor cores: expect FP8 GEMMs when compiled "
+                  "with XLA (jit_compile=True)")
+
+
+def float8_speedup_expected() -> bool:
+    """Whether FP8 matmuls can be faster here: every GPU has compute capability >= 8.9."""
+    return _fp8_devices()[0]
+
+
+def float8_speedup_reason() -> str:
+    """One line saying why `float8_speedup_expected()` is what it is."""
+    return _fp8_devices()[1]
