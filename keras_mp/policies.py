@@ -32,8 +32,9 @@ _POLICIES = {
     "mixed_bfloat16": ("bfloat16", "float32"),
     "float16": ("float16", "float16"),
     "bfloat16": ("bfloat16", "bfloat16"),
+    # FP8 matmuls in Dense/EinsumDense (keras_mp.float8); everything else as mixed_bfloat16.
+    "float8": ("bfloat16", "float32"),
 }
-_PLANNED = {"float8": "FP8 training with delayed scaling (issue 7)"}
 VALID_NAMES = tuple(_POLICIES)
 
 _SOFTMAX_NAMES = ("softmax", "log_softmax")
@@ -116,7 +117,9 @@ class Policy(keras.DTypePolicy):
 
     Names: `"float32"`; `"mixed_float16"` and `"mixed_bfloat16"` (low-precision compute,
     FP32 master weights); the pure `"float16"` and `"bfloat16"` (variables in low precision,
-    no master weights: kept for comparison, a warning says so). `"float8"` is reserved.
+    no master weights: kept for comparison, a warning says so); `"float8"` (FP8 matmuls in
+    Dense/EinsumDense with delayed scaling, see `keras_mp.float8`; everything else as under
+    `"mixed_bfloat16"`; the FP8 layers are made by `convert`).
 
     Under a low-precision policy the layers matched by `keep_fp32` get the `"float32"` Keras
     policy; all others get `policy.base`. Keep-list tokens: `"softmax"` (softmax/log-softmax
@@ -129,9 +132,11 @@ class Policy(keras.DTypePolicy):
 
     Args:
         name: One of `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`, `"float16"`,
-            `"bfloat16"`.
+            `"bfloat16"`, `"float8"`.
         keep_fp32: Iterable of keep-list entries (layer classes, class names, fnmatch
             name/path patterns, tokens). Defaults to `DEFAULT_KEEP_FP32`.
+        float8_recipe: for `"float8"` only: a `keras_mp.float8.Float8Recipe` (or its
+            config dict); default `Float8Recipe()`.
 
     Example:
 
@@ -142,7 +147,9 @@ class Policy(keras.DTypePolicy):
     ```
     """
 
-    def __init__(self, name: str, keep_fp32: Iterable = DEFAULT_KEEP_FP32):
+    def __init__(
+        self, name: str, keep_fp32: Iterable = DEFAULT_KEEP_FP32, float8_recipe: Any = None
+    ):
         if isinstance(keep_fp32, (str, type)) or not isinstance(keep_fp32, Iterable):
             raise ValueError(
                 "keep_fp32 must be a list/tuple of entries (classes, class names, patterns or "
@@ -151,19 +158,20 @@ class Policy(keras.DTypePolicy):
             )
         self._keep_fp32 = tuple(_check_entry(e) for e in keep_fp32)
         super().__init__(name)
+        self.float8_recipe = None
+        if name == "float8":
+            from keras_mp.float8 import _recipe
+
+            self.float8_recipe = _recipe(float8_recipe)
+        elif float8_recipe is not None:
+            raise ValueError(
+                f"`float8_recipe` applies only to the 'float8' policy, not {name!r}."
+            )
         self._warn_if_pure()
 
     def _parse_name(self, name):
-        if name in _PLANNED:
-            raise ValueError(
-                f"Policy name {name!r} is planned ({_PLANNED[name]}) but not available yet. "
-                f"Valid names: {list(VALID_NAMES)}."
-            )
         if name not in _POLICIES:
-            raise ValueError(
-                f"Unknown policy name {name!r}. Valid names: {list(VALID_NAMES)} "
-                f"(planned: {list(_PLANNED)})."
-            )
+            raise ValueError(f"Unknown policy name {name!r}. Valid names: {list(VALID_NAMES)}.")
         return _POLICIES[name]
 
     def _warn_if_pure(self) -> None:
@@ -194,7 +202,7 @@ class Policy(keras.DTypePolicy):
     @property
     def base(self) -> keras.DTypePolicy:
         """The plain Keras policy given to layers that are not on the keep-list."""
-        return keras.DTypePolicy(self.name)
+        return keras.DTypePolicy("mixed_bfloat16" if self.name == "float8" else self.name)
 
     def keep_entry(self, layer: keras.layers.Layer, output_layers: Iterable = ()) -> Any:
         """The first keep-list entry matching `layer`, or `None`.
@@ -245,13 +253,16 @@ class Policy(keras.DTypePolicy):
         policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=self.base)
         for layer in model._flatten_layers(include_self=False):
             target = self.for_layer(layer, outputs)
-            if layer.path and target.name != self.name and layer.path not in policy_map:
+            if layer.path and target.name != self.base.name and layer.path not in policy_map:
                 policy_map[layer.path] = target
         return policy_map
 
     def get_config(self) -> dict:
         keep = [e.__name__ if isinstance(e, type) else e for e in self._keep_fp32]
-        return {"name": self.name, "keep_fp32": keep}
+        config = {"name": self.name, "keep_fp32": keep}
+        if self.float8_recipe is not None:
+            config["float8_recipe"] = self.float8_recipe.get_config()
+        return config
 
     @classmethod
     def from_config(cls, config: dict) -> Policy:
@@ -262,6 +273,7 @@ class Policy(keras.DTypePolicy):
             type(other) is type(self)
             and other.name == self.name
             and other.keep_fp32 == self.keep_fp32
+            and other.float8_recipe == self.float8_recipe
         )
 
     __hash__ = None
@@ -327,7 +339,7 @@ def global_policy() -> Policy:
     if isinstance(current, Policy):  # set directly with keras.config.set_dtype_policy
         return current
     current, remembered = current.name, _global["policy"]
-    if remembered is not None and remembered.name == current:
+    if remembered is not None and remembered.base.name == current:
         return remembered
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -399,4 +411,10 @@ def convert(model: keras.Model, policy: str | Policy) -> keras.Model:
     """
     from keras_mp._convert import convert_model
 
-    return convert_model(model, _as_policy(policy))
+    policy = _as_policy(policy)
+    new = convert_model(model, policy)  # float8 converts as mixed_bfloat16 + keep-list
+    if policy.name == "float8":
+        from keras_mp.float8 import apply_float8  # lazy: float8 imports this module
+
+        apply_float8(new, policy.float8_recipe)
+    return new

@@ -47,7 +47,7 @@ def test_policy_names_dtypes_and_base():
         "float16": ("float16", "float16"),
         "bfloat16": ("bfloat16", "bfloat16"),
     }
-    assert policies.VALID_NAMES == tuple(table)
+    assert policies.VALID_NAMES == tuple(table) + ("float8",)
     for name, (compute, variable) in table.items():
         policy = _policy(name)
         assert isinstance(policy, keras.DTypePolicy)
@@ -74,9 +74,28 @@ def test_unknown_policy_name_lists_valid_names():
             assert repr(name) in str(info.value)
 
 
-def test_float8_is_reserved_with_a_clear_error():
-    with pytest.raises(ValueError, match="'float8' is planned"):
-        policies.Policy("float8")
+def test_float8_policy_converts_dense_layers_to_fp8_except_the_keep_list():
+    from keras_mp import float8
+
+    recipe = float8.Float8Recipe(margin=1, amax_history_len=16)
+    policy = policies.Policy("float8", float8_recipe=recipe)
+    assert (policy.compute_dtype, policy.variable_dtype) == ("bfloat16", "float32")
+    assert policy.base.name == "mixed_bfloat16"
+    assert policies.Policy.from_config(policy.get_config()) == policy
+    with pytest.raises(ValueError, match="float8_recipe"):
+        policies.Policy("mixed_bfloat16", float8_recipe=recipe)
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
+    out = keras.layers.Dense(4, name="logits")(h)
+    model = keras.Model(inputs, out)
+    converted = kmp.convert(model, policy)
+    assert [layer.path for layer in float8.float8_layers(converted)] == ["hidden"]
+    assert converted.get_layer("logits").compute_dtype == "float32"
+    assert converted.get_layer("hidden").compute_dtype == "bfloat16"
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
+    ref = keras.ops.convert_to_numpy(model(x))
+    got = keras.ops.convert_to_numpy(keras.ops.cast(converted(x), "float32"))
+    assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 0.1  # FP8 + bf16 rounding
 
 
 def test_bad_keep_list_entry_lists_valid_entries():
