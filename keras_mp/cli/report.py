@@ -1,0 +1,269 @@
+"""The `keras-mp compare` command: progress bars, the rich table, results.json, the plot."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+
+__all__ = ["console", "format_table", "notes", "progress_bars", "run", "write_plot"]
+
+
+def console(file=None):
+    """A rich console; at least 150 columns wide when the output is not a terminal."""
+    from rich.console import Console
+
+    file = file or sys.stdout
+    width = None if file.isatty() else max(150, int(os.environ.get("COLUMNS", 0) or 0))
+    return Console(file=file, width=width, highlight=False)
+
+
+def _pct(v, signed=False) -> str:
+    if v is None or not math.isfinite(v):
+        return "n/a" if v is None else str(v)
+    return f"{100 * v:+.1f}" if signed else f"{100 * v:.1f}%"
+
+
+def _num(v, fmt: str, dash: str = "n/a") -> str:
+    if v is None:
+        return dash
+    return format(v, fmt) if math.isfinite(v) else str(v)
+
+
+def _memory(v) -> str:
+    return "n/a" if v is None else f"{v / 2**20:.1f} MiB"
+
+
+_STYLES = {
+    "matches FP32": "green",
+    "reference": "bold",
+    "higher": "green",
+    "lower": "yellow",
+    "stalled": "red",
+    "diverged": "bold red",
+    "error": "bold red",
+}
+
+
+def format_table(results: dict):
+    """The comparison as a `rich.table.Table` (one row per precision mode)."""
+    from rich.table import Table
+
+    cfg, data, thr = results["config"], results["data"], results["thresholds"]
+    title = (
+        f"{cfg['model']} on {data['name']}: {data['train_samples']} train / "
+        f"{data['val_samples']} val, {cfg['epochs']} epochs, batch {cfg['batch_size']}, "
+        f"{cfg['optimizer']} lr {cfg['lr']:g} ({cfg['schedule']}), "
+        f"{results['environment']['backend']} backend"
+    )
+    caption = (
+        f"Δ acc: points vs float32. verdict: |Δ acc| ≤ {100 * thr['match_accuracy']:.1f} "
+        f"points = matches FP32; lower with ≥ {100 * thr['stalled_frozen_fraction']:.0f}% "
+        f"of weights unchanged over the last epoch (updates rounded away) = stalled; "
+        f"non-finite loss or final train loss > {thr['diverged_loss_growth']:g}× the first "
+        f"epoch's = diverged. compile: xla = jit_compile=True, default = Keras' choice. "
+        f"peak mem: device peak where the backend reports it (JAX: process peak so far)."
+    )
+    table = Table(title=title, caption=caption, caption_justify="left")
+    for name, justify in [
+        ("mode", "left"),
+        ("compile", "left"),
+        ("val acc", "right"),
+        ("Δ acc", "right"),
+        ("val loss", "right"),
+        ("steps/s", "right"),
+        ("× FP32", "right"),
+        ("peak mem", "right"),
+        ("skipped", "right"),
+        ("loss scale", "right"),
+        ("frozen", "right"),
+        ("verdict", "left"),
+    ]:
+        table.add_column(name, justify=justify)
+    for r in results["rows"]:
+        style = _STYLES.get(r["verdict"], "")
+        table.add_row(
+            r["label"],
+            r["compile"],
+            _num(r["val_accuracy"], ".3f"),
+            _pct(r["accuracy_diff"], signed=True),
+            _num(r["val_loss"], ".4f"),
+            _num(r["steps_per_second"], ".1f"),
+            _num(r["speed_ratio"], ".2f"),
+            _memory(r["peak_memory_bytes"]),
+            _num(r["skipped_steps"], "d", dash="—"),
+            _num(r["final_loss_scale"], ".0f", dash="—"),
+            _pct(r["frozen_fraction"]),
+            f"[{style}]{r['verdict']}[/]" if style else r["verdict"],
+        )
+    return table
+
+
+@contextlib.contextmanager
+def progress_bars(con, enabled: bool = True) -> Iterator:
+    """Yields a `(policy, total_steps) -> (advance, done)` factory drawing rich bars."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bars = Progress(
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[note]}"),
+        console=con,
+        transient=False,
+    )
+
+    def factory(policy: str, total: int):
+        task = bars.add_task(policy, total=total, note="")
+
+        def done(row):
+            note = row.get("error") or (
+                f"val acc {row['val_accuracy']:.3f}  loss {row['val_loss']:.4f}"
+            )
+            bars.update(task, completed=total, note=note[:80])
+
+        return (lambda: bars.advance(task)), done
+
+    with bars:
+        yield factory
+
+
+def write_plot(results: dict, path: str) -> str:
+    """Writes a PNG of the loss curves and the loss-scale trajectory; returns `path`."""
+    try:
+        import matplotlib
+    except ImportError as e:  # pragma: no cover - matplotlib is in the `plot` extra
+        raise ValueError("--plot needs matplotlib: pip install 'keras_mp[plot]'.") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    ax_train, ax_val, ax_frozen, ax_scale = axes.ravel()
+    for i, r in enumerate(results["rows"]):
+        h, color = r["history"], f"C{i}"
+        if not h:  # the mode failed
+            continue
+        epochs = range(1, len(h["train_loss"]) + 1)
+        ax_train.plot(epochs, h["train_loss"], ".-", color=color, label=r["label"])
+        ax_val.plot(epochs, h["val_loss"], ".-", color=color, label=r["label"])
+        frozen = [100 * f for f in h["frozen_fraction"]]
+        ax_frozen.plot(epochs, frozen, ".-", color=color, label=r["label"])
+        if "loss_scale" in h:
+            ax_scale.step(
+                h["loss_scale"]["step"],
+                h["loss_scale"]["value"],
+                color=color,
+                where="post",
+                label=r["label"],
+            )
+    for ax, title in [(ax_train, "train loss"), (ax_val, "validation loss")]:
+        ax.set(title=title, xlabel="epoch", yscale="log")
+    ax_frozen.set(
+        title="weights left unchanged by the epoch (%): updates lost to rounding",
+        xlabel="epoch",
+        ylim=(-3, 103),
+    )
+    ax_scale.set(title="loss scale (LossScaleOptimizer)", xlabel="step", yscale="log")
+    if not ax_scale.lines:
+        ax_scale.text(0.5, 0.5, "no loss-scaled mode", ha="center", transform=ax_scale.transAxes)
+    for ax in axes.ravel():
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    cfg = results["config"]
+    fig.suptitle(
+        f"keras-mp compare: {cfg['model']}, {cfg['optimizer']} lr {cfg['lr']:g} "
+        f"({cfg['schedule']}), {cfg['epochs']} epochs"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def notes(rows: list[dict], cfg) -> list[str]:
+    """Plain-language explanations of the pure-mode rows, from the measured values.
+
+    Args:
+        rows: the results rows (with verdicts).
+        cfg: the `keras_mp.cli.compare.CompareConfig`.
+
+    Returns:
+        A list of sentences (possibly empty).
+    """
+    from keras_mp import formats
+
+    out = []
+    ref = next((r for r in rows if r["policy"] == "float32"), None)
+    for r in rows:
+        if r.get("error"):
+            out.append(f"{r['label']} failed: {r['error']}")
+            continue
+        if r["policy"] not in ("float16", "bfloat16"):
+            continue
+        dtype = r["policy"]
+        if cfg.optimizer == "adam" and formats.round_to(0.999, dtype) == 1.0:
+            out.append(
+                f"{r['label']}: Adam's beta_2 = 0.999 rounds to 1.0 in {dtype}, so Keras' "
+                f"bias-corrected step lr*sqrt(1 - beta_2**t)/(1 - beta_1**t) is exactly 0 "
+                f"when computed in {dtype}: no weight can move."
+            )
+        elif r["verdict"] == "stalled":
+            frozen = r["history"]["frozen_fraction"]
+            mid = frozen[len(frozen) // 2]
+            ref_text = f" (float32: {100 * ref['frozen_fraction']:.1f}%)" if ref else ""
+            out.append(
+                f"{r['label']}: {100 * r['frozen_fraction']:.1f}% of the weights did not change "
+                f"in the last epoch{ref_text}, {100 * mid:.1f}% at mid-run: updates smaller "
+                f"than half a {dtype} ulp of the weight are rounded away; the mixed modes "
+                f"apply them to FP32 master weights."
+            )
+    return out
+
+
+def _json_default(value):
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def run(args) -> int:
+    """Runs `keras-mp compare` from parsed arguments; returns the exit status."""
+    from keras_mp.cli.compare import CompareConfig, run_compare
+
+    cfg = CompareConfig(
+        model=args.model,
+        policies=args.policies,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        schedule=args.schedule,
+        jit={None: "auto", True: "on", False: "off"}[args.jit],
+        seed=args.seed,
+        limit=args.limit,
+    )
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out: {args.out!r} exists and is not a directory.")
+    os.makedirs(args.out, exist_ok=True)
+    con = console()
+    with progress_bars(con, enabled=not args.no_progress) as factory:
+        results = run_compare(cfg, progress=factory)
+    results["notes"] = notes(results["rows"], cfg)
+    con.print(format_table(results))
+    for note in results["notes"]:
+        con.print(f"note: {note}")
+    path = os.path.join(args.out, "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=_json_default, allow_nan=True)
+    con.print(f"results: {path}  (total {results['wall_seconds']:.0f} s)")
+    if args.plot:
+        con.print(f"plot: {write_plot(results, os.path.join(args.out, 'loss_curves.png'))}")
+    return 0
