@@ -14,15 +14,11 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 ```
 """
 
+# `audit` is the function: it is bound after the module of the same name is imported.
+from keras_mp import callbacks, float8, formats, hardware, layers, losses, saving
+from keras_mp.audit import AuditReport, audit
+from keras_mp.callbacks import LossScaleCollapseError
 from keras_mp.loss_scale import LossScaleOptimizer
-
-# --- layers, losses, formats (helper "layers"): modules ---
-# isort: split
-from keras_mp import formats, layers, losses
-
-# isort: split
-
-# --- policies (helper "policies") ---
 from keras_mp.policies import (
     DEFAULT_KEEP_FP32,
     Policy,
@@ -30,21 +26,7 @@ from keras_mp.policies import (
     global_policy,
     set_global_policy,
 )
-
-# --- save / export (helper "save"); keras_mp.tf imports tensorflow only when called ---
-# isort: split
-from keras_mp import saving
-from keras_mp.tf.export import export_saved_model
-
-# --- observe (helper "observe"): `audit` is the function (it shadows the module name) ---
-# isort: split
-from keras_mp import callbacks, hardware
-from keras_mp.audit import AuditReport, audit
-from keras_mp.callbacks import LossScaleCollapseError
-
-# --- FP8 training (helper "float8"): module ---
-# isort: split
-from keras_mp import float8
+from keras_mp.tf.export import export_saved_model  # imports tensorflow only when called
 
 __version__ = "0.1.0"
 
