@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[test,plot]"
-ruff check keras_mp tests examples benchmarks
+ruff check .
 KERAS_BACKEND=tensorflow python -m pytest -q -p no:cacheprovider "$@"
 KERAS_BACKEND=jax python -m pytest -q -p no:cacheprovider -m "not slow and not tf_only" "$@"
