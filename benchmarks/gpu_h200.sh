@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The prepared GPU benchmark of issue 8: one H200, JAX backend (XLA), about 7 minutes
+# (TOTAL_BUDGET=420 s; run it with timeout_s=560).
+#
+# On the device machine (repository root; Keras wheels carried in .whl, see BENCHMARKS.md):
+#   bash benchmarks/gpu_h200.sh               # JSON lines and a log under $OUT
+# Dry run at tiny sizes on a CPU (no wheels, no torch anchor without CUDA):
+#   PYTHON=/work/venv/bin/python WHEELS=none OUT=runs/gpu-dry GPT_MODEL=tiny_gpt RESNET_MODEL=tiny_resnet \
+#     GPT_POLICIES=float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16 \
+#     RESNET_POLICIES=float32,keras_mp_mixed_bfloat16 STEPS=2 bash benchmarks/gpu_h200.sh
+#
+# Order = priority: the GPT workload under every policy (one harness invocation, so the
+# speedups vs float32 and vs stock Keras are side by side), then ResNet-50, then the PyTorch
+# AMP anchor (torch.compile, bf16). Each harness invocation starts no configuration once its
+# --budget is spent; TOTAL_BUDGET (seconds) bounds the whole script.
+set -u
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}   # keras, namex, optree for Python 3.12 (the machine has no Keras)
+if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"   # keras_mp from this working tree
+export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+GPT_MODEL=${GPT_MODEL:-gpt}
+RESNET_MODEL=${RESNET_MODEL:-resnet50}
+GPT_POLICIES=${GPT_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,stock_mixed_float16,keras_mp_mixed_float16,float32_strict}
+RESNET_POLICIES=${RESNET_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,stock_mixed_float16,keras_mp_mixed_float16}
+STEPS=${STEPS:-10}
+WARMUP=${WARMUP:-2}
+TOTAL=${TOTAL_BUDGET:-420}
+START=$(date +%s)
+left() { echo $(( TOTAL - ($(date +%s) - START) )); }
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>&1
+  $PY -c "import sys, jax, keras; print(sys.version.split()[0], 'jax', jax.__version__, \
+'keras', keras.__version__, jax.devices())" 2>&1 | tail -1
+  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+bench() {  # bench MODEL POLICIES BUDGET
+  $PY benchmarks/run.py --backend jax --models "$1" --policies "$2" --steps "$STEPS" \
+    --warmup "$WARMUP" --timeout 240 --budget "$3" --out "$OUT/bench.jsonl" \
+    2>&1 | grep -v '^WARNING\|^I0000\|^W0000' | tee -a "$OUT/log.txt"
+}
+
+bench "$GPT_MODEL" "$GPT_POLICIES" $(( TOTAL * 48 / 100 ))
+bench "$RESNET_MODEL" "$RESNET_POLICIES" $(( $(left) - 90 > 10 ? $(left) - 90 : 10 ))
+
+if [ "$(left)" -gt 60 ] && $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  timeout "$(left)" $PY benchmarks/anchors/anchor_torch.py --policy bf16 --compile \
+    --steps "$STEPS" 2>&1 | grep '^RESULT ' | sed 's/^RESULT //' | tee -a "$OUT/torch.jsonl"
+else
+  echo "torch anchor skipped: $(left) s left or no CUDA torch" | tee -a "$OUT/log.txt"
+fi
+echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/log.txt"

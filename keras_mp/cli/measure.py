@@ -1,0 +1,290 @@
+"""Measuring one benchmark configuration: a workload trained under one precision policy.
+
+`run_one` builds the workload's model under the policy's recipe (stock Keras or keras_mp),
+times its train steps and returns the JSON record of `keras_mp.cli.benchmark`. The policies:
+
+- `float32`: FP32 (TF32 allowed for matmuls/convolutions on Ampere+ GPUs).
+- `float32_strict`: FP32 with TF32 off (`kmp.hardware.set_tf32(False)`).
+- `stock_mixed_bfloat16`, `stock_mixed_float16`: Keras' global dtype policy, Keras' loss and
+  (FP16) `keras.optimizers.LossScaleOptimizer`: what a user gets from Keras alone.
+- `keras_mp_mixed_bfloat16`, `keras_mp_mixed_float16`: `kmp.convert(model, kmp.Policy(...))`
+  (FP32 keep-list), `kmp.losses.SparseCategoricalCrossentropy(from_logits=True)` and, for
+  FP16, `kmp.LossScaleOptimizer` (dynamic scaling).
+
+Example:
+
+```python
+from keras_mp.cli.measure import run_one
+
+run_one("tiny_gpt", "keras_mp_mixed_bfloat16", steps=5)["step_ms_median"]
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import statistics
+import sys
+import time
+
+from keras_mp.cli.workloads import WORKLOADS
+
+__all__ = ["POLICIES", "default_jit", "run_one"]
+
+
+# Policy name -> Keras dtype policy. Order = run order: each row's references (float32, the
+# stock row of its dtype) are measured before it; float32_strict (slow on GPUs) comes last.
+POLICIES = {
+    "float32": "float32",
+    "stock_mixed_bfloat16": "mixed_bfloat16",
+    "keras_mp_mixed_bfloat16": "mixed_bfloat16",
+    "stock_mixed_float16": "mixed_float16",
+    "keras_mp_mixed_float16": "mixed_float16",
+    "float32_strict": "float32",
+}
+_JIT_SUFFIX = {"jit": True, "nojit": False}
+_ENV_KEYS = (
+    "TF_ENABLE_ONEDNN_OPTS",
+    "OMP_NUM_THREADS",
+    "XLA_FLAGS",
+    "TF_XLA_FLAGS",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
+    "ONEDNN_MAX_CPU_ISA",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+)
+
+
+def _names(kind: str, text: str, valid) -> list:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        base = name.split("@")[0]
+        suffix = name.partition("@")[2]
+        if base not in valid or (suffix and suffix not in _JIT_SUFFIX):
+            extra = " (optionally with @jit or @nojit)" if kind == "policy" else ""
+            raise ValueError(
+                f"Unknown {kind} {name!r}. Valid {kind} names{extra}: {', '.join(valid)}."
+            )
+    if not names:
+        raise ValueError(f"No {kind} given. Valid {kind} names: {', '.join(valid)}.")
+    return names
+
+
+def default_jit(policy: str, backend: str, on_gpu: bool) -> bool:
+    """`jit_compile` when neither `--jit` nor `--no-jit` nor a suffix is given.
+
+    XLA everywhere except TensorFlow on CPU, where oneDNN's kernels (AVX512-BF16/AMX) beat
+    XLA:CPU; float16 stays on XLA there (TF's non-XLA CPU float16 kernels are very slow).
+    """
+    if backend != "tensorflow" or on_gpu:
+        return True
+    return POLICIES[policy] == "mixed_float16"
+
+
+def _device_and_memory(backend: str):
+    """(device description, peak memory GiB, memory kind) for the current process."""
+    if backend == "jax":
+        import jax
+
+        dev = jax.devices()[0]
+        stats = dev.memory_stats() if dev.platform != "cpu" else None
+        if stats and "peak_bytes_in_use" in stats:
+            return dev.device_kind, stats["peak_bytes_in_use"] / 2**30, "device"
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+            return name, tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**30, "device"
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return _cpu_model(), rss_kib / 2**20, "host_rss"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def _on_gpu(backend: str) -> bool:
+    if backend == "jax":
+        import jax
+
+        return jax.devices()[0].platform == "gpu"
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return bool(tf.config.list_physical_devices("GPU"))
+    return False
+
+
+def _keras_mp_api():
+    """The keras_mp names the harness uses; a clear error if one is missing."""
+    import importlib
+
+    import keras_mp as kmp
+
+    needed = {
+        "keras_mp": ("convert", "Policy", "LossScaleOptimizer", "DEFAULT_KEEP_FP32"),
+        "keras_mp.losses": ("SparseCategoricalCrossentropy",),
+    }
+    missing = [
+        f"{mod}.{n}"
+        for mod, names in needed.items()
+        for n in names
+        if not hasattr(importlib.import_module(mod), n)
+    ]
+    if missing:
+        raise RuntimeError(f"keras_mp is missing {missing}: cannot run keras_mp policies.")
+    return kmp, importlib.import_module("keras_mp.losses")
+
+
+@contextlib.contextmanager
+def _strict_fp32(backend: str):
+    """TF32 off (`kmp.hardware.set_tf32(False)`) inside, the backend's setting restored after."""
+    from keras_mp import hardware
+
+    if backend == "jax":
+        import jax
+
+        previous = jax.config.jax_default_matmul_precision
+        restore = lambda: jax.config.update("jax_default_matmul_precision", previous)
+    else:
+        previous = hardware.tf32_enabled(backend)
+        restore = lambda: previous is None or hardware.set_tf32(previous)
+    hardware.set_tf32(False)
+    try:
+        yield
+    finally:
+        restore()
+
+
+def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32):
+    import keras
+
+    dtype = POLICIES[policy]
+    keras.utils.set_random_seed(0)
+    stock = not policy.startswith("keras_mp_")
+    keras.config.set_dtype_policy(dtype if stock else "float32")
+    model = workload.build(keras)
+    optimizer = keras.optimizers.AdamW(1e-4)
+    if stock:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if dtype == "mixed_float16":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    else:
+        kmp, kmp_losses = _keras_mp_api()
+        keep = kmp.DEFAULT_KEEP_FP32 if keep_fp32 is None else keep_fp32
+        model = kmp.convert(model, kmp.Policy(dtype, keep_fp32=keep))
+        loss = kmp_losses.SparseCategoricalCrossentropy(from_logits=True)
+        if dtype == "mixed_float16":
+            optimizer = kmp.LossScaleOptimizer(optimizer)
+    model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
+    return model
+
+
+def run_one(
+    model_name: str,
+    policy: str,
+    steps: int = 20,
+    warmup: int = 3,
+    jit_compile: bool | None = None,
+    keep_fp32=None,
+    intra_op: int = 0,
+    inter_op: int = 0,
+) -> dict:
+    """Measures one configuration in this process and returns its JSON record.
+
+    Args:
+        model_name: a key of `WORKLOADS`.
+        policy: a key of `POLICIES` (with an optional `@jit` / `@nojit` suffix).
+        steps: timed train steps (each `train_on_batch` returns a host float: synchronous).
+        warmup: untimed steps after the first, compiling one.
+        jit_compile: XLA on/off; `None` takes the suffix, else `default_jit`.
+        keep_fp32: keep-list for keras_mp policies; `None` means `kmp.DEFAULT_KEEP_FP32`.
+        intra_op / inter_op: TensorFlow thread-pool sizes (0: TensorFlow's default).
+
+    Returns:
+        A dict: model, policy, backend, device, jit_compile, compile_s, step_ms_median,
+        step_ms_min, units, units_per_s, tflops, peak_mem_gib, peak_mem_kind, loss, ...
+    """
+    _names("model", model_name, WORKLOADS)
+    _names("policy", policy, POLICIES)
+    policy, _, suffix = policy.partition("@")
+    import keras
+    import numpy as np
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow" and (intra_op or inter_op):
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+    if suffix:
+        jit_compile = _JIT_SUFFIX[suffix]
+    elif jit_compile is None:
+        jit_compile = default_jit(policy, backend, _on_gpu(backend))
+    workload = WORKLOADS[model_name]
+    strict = _strict_fp32(backend) if policy == "float32_strict" else contextlib.nullcontext()
+    previous = keras.config.dtype_policy()
+    with strict:  # JAX reads the matmul precision when it traces the first step
+        try:
+            model = _compiled_model(workload, policy, jit_compile, keep_fp32)
+        finally:
+            keras.config.set_dtype_policy(previous)
+        x, y = (keras.ops.convert_to_tensor(a) for a in workload.data(np.random.default_rng(0)))
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        compile_s = time.perf_counter() - start
+        for _ in range(warmup):
+            model.train_on_batch(x, y)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss = model.train_on_batch(x, y)
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    device, peak, peak_kind = _device_and_memory(backend)
+    record = {
+        "model": model_name,
+        "policy": policy,
+        "backend": backend,
+        "device": device,
+        "jit_compile": bool(jit_compile),
+        "compile_s": round(compile_s, 2),
+        "step_ms_median": round(median * 1e3, 3),
+        "step_ms_min": round(min(times) * 1e3, 3),
+        "units": workload.unit,
+        "units_per_s": round(workload.units_per_step / median, 1),
+        "tflops": round(workload.flops_per_step(model) / median / 1e12, 4),
+        "peak_mem_gib": round(peak, 3),
+        "peak_mem_kind": peak_kind,
+        "loss": float(np.asarray(loss).reshape(-1)[0]),
+        "params": int(model.count_params()),
+        "optimizer": type(model.optimizer).__name__,
+        "steps": steps,
+        "warmup": warmup,
+        "keras": keras.__version__,
+        "backend_version": _backend_version(backend),
+        "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
+    }
+    if intra_op or inter_op:
+        record["threads"] = {"intra_op": intra_op, "inter_op": inter_op}
+    if policy.startswith("keras_mp_"):
+        record["keep_fp32"] = "default" if keep_fp32 is None else list(keep_fp32)
+    scale = getattr(model.optimizer, "dynamic_scale", None)
+    if scale is not None:
+        record["loss_scale"] = float(keras.ops.convert_to_numpy(scale))
+    return record
+
+
+def _backend_version(backend: str) -> str:
+    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(backend)
+    return getattr(sys.modules.get(module), "__version__", "") if module else ""

@@ -1,0 +1,157 @@
+"""Tests of the performance harness (keras_mp/cli/benchmark.py): records, speedups, errors.
+
+No timing assertions: the harness runs two tiny workloads for two steps, in process.
+"""
+
+import json
+
+import keras
+import pytest
+
+from keras_mp.cli import benchmark
+
+FIELDS = {
+    "model",
+    "policy",
+    "backend",
+    "device",
+    "jit_compile",
+    "compile_s",
+    "step_ms_median",
+    "step_ms_min",
+    "units",
+    "units_per_s",
+    "tflops",
+    "peak_mem_gib",
+    "peak_mem_kind",
+    "loss",
+    "params",
+    "optimizer",
+    "speedup_vs_fp32",
+    "speedup_vs_best_fp32",
+}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "results.jsonl"
+    status = benchmark.main(
+        [
+            "--models",
+            "tiny_gpt,tiny_resnet",
+            "--policies",
+            "keras_mp_mixed_bfloat16,float32",  # run order puts float32 first
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--in-process",  # default jit_compile
+            "--backend",
+            keras.backend.backend(),
+            "--out",
+            str(out),
+        ]
+    )
+    assert status == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_one_record_per_configuration_with_all_fields(rows):
+    assert [(r["model"], r["policy"]) for r in rows] == [
+        ("tiny_gpt", "float32"),
+        ("tiny_gpt", "keras_mp_mixed_bfloat16"),
+        ("tiny_resnet", "float32"),
+        ("tiny_resnet", "keras_mp_mixed_bfloat16"),
+    ]
+    for r in rows:
+        assert FIELDS <= set(r), FIELDS - set(r)
+        assert r["backend"] == keras.backend.backend()
+        # XLA, except TensorFlow on CPU for float32/bfloat16 (oneDNN is faster there).
+        assert r["jit_compile"] is (keras.backend.backend() != "tensorflow")
+        assert 0 < r["step_ms_min"] <= r["step_ms_median"]
+        assert r["peak_mem_kind"] == "host_rss" and r["peak_mem_gib"] > 0.05  # CPU: RSS
+        assert r["loss"] == pytest.approx(r["loss"]) and 0 < r["loss"] < 20  # finite
+    gpt, resnet = rows[0], rows[2]
+    assert gpt["units"] == "tokens" and resnet["units"] == "images"
+    # tiny_gpt: 2 x 64 tokens; N = 1 layer x (4*64^2 + 2*64*128) + 512*64 = 65536.
+    tokens = 2 * 64
+    flops = 6 * 65536 * tokens + 12 * 1 * 64 * 64 * tokens
+    assert gpt["units_per_s"] == pytest.approx(tokens / (gpt["step_ms_median"] / 1e3), rel=1e-2)
+    assert gpt["tflops"] == pytest.approx(
+        flops / (gpt["step_ms_median"] / 1e3) / 1e12, rel=2e-2, abs=1e-4
+    )
+
+
+def test_speedups_are_against_rows_of_the_same_run(rows):
+    for fp32, mixed in (rows[0:2], rows[2:4]):
+        assert fp32["speedup_vs_fp32"] == 1.0 and fp32["speedup_vs_best_fp32"] == 1.0
+        expected = round(fp32["step_ms_median"] / mixed["step_ms_median"], 3)
+        assert mixed["speedup_vs_fp32"] == pytest.approx(expected, abs=1e-3)
+        assert mixed["speedup_vs_stock"] is None  # no stock row was measured
+        assert mixed["keep_fp32"] == "default"
+
+
+def test_keras_mp_row_runs_the_keep_list(rows):
+    # Same weights and data: the FP32-pinned bfloat16 loss stays close to the float32 one.
+    for fp32, mixed in (rows[0:2], rows[2:4]):
+        assert mixed["loss"] == pytest.approx(fp32["loss"], rel=0.05)
+        assert mixed["params"] == fp32["params"]
+
+
+def test_stock_reference_and_best_fp32():
+    earlier = [
+        {"model": "m", "policy": "float32", "jit_compile": False, "step_ms_median": 100.0},
+        {"model": "m", "policy": "float32", "jit_compile": True, "step_ms_median": 80.0},
+        {
+            "model": "m",
+            "policy": "stock_mixed_float16",
+            "jit_compile": True,
+            "step_ms_median": 50.0,
+        },
+        {"model": "other", "policy": "float32", "jit_compile": True, "step_ms_median": 1.0},
+    ]
+    row = benchmark.add_speedups(
+        {
+            "model": "m",
+            "policy": "keras_mp_mixed_float16",
+            "jit_compile": True,
+            "step_ms_median": 40.0,
+        },
+        earlier,
+    )
+    assert row["speedup_vs_fp32"] == 2.0  # the float32 row with the same jit_compile
+    assert row["speedup_vs_best_fp32"] == 2.0
+    assert row["speedup_vs_stock"] == 1.25
+    row = benchmark.add_speedups(
+        {
+            "model": "m",
+            "policy": "stock_mixed_bfloat16",
+            "jit_compile": False,
+            "step_ms_median": 50.0,
+        },
+        earlier,
+    )
+    assert (row["speedup_vs_fp32"], row["speedup_vs_best_fp32"]) == (2.0, 1.6)
+    assert row["speedup_vs_stock"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--models", "gpt2"], r"Unknown model 'gpt2'\. Valid model names: gpt, resnet50, "),
+        (["--policies", "mixed_bfloat16"], r"Unknown policy 'mixed_bfloat16'.*float32_strict"),
+        (["--policies", "float32@xla"], r"@jit or @nojit"),
+        (["--env", "TF_ENABLE_ONEDNN_OPTS"], r"KEY=VALUE"),
+        (["--steps", "0"], r"--steps must be at least 1"),
+    ],
+)
+def test_bad_names_raise_before_anything_runs(argv, match):
+    with pytest.raises(ValueError, match=match):
+        benchmark.main(["--in-process", *argv])
+
+
+def test_run_one_rejects_unknown_names():
+    with pytest.raises(ValueError, match="Valid model names: gpt, resnet50, cpu_gpt"):
+        benchmark.run_one("resnet18", "float32")
+    with pytest.raises(ValueError, match="keras_mp_mixed_float16"):
+        benchmark.run_one("tiny_gpt", "float16")
