@@ -1,7 +1,8 @@
 """Train a BatchNorm CNN with `model.fit` under mixed float16.
 
-The canonical recipe in a few lines: a policy with FP32 master weights, batch norm and the
-logits layer kept in float32 (`kmp.convert` applies the keep-list), dynamic loss scaling,
+The canonical recipe in a few lines: a policy with FP32 master weights, the logits layer
+kept in float32 and batch-norm statistics in float32 (`kmp.convert` applies the keep-list;
+Keras' BatchNormalization computes its statistics in float32 itself), dynamic loss scaling,
 float32 loss math, and callbacks that show the loss scale and stop on a collapse.
 
     python examples/cnn_fit.py              # about a minute on a laptop CPU
@@ -50,7 +51,7 @@ def cnn():
     return keras.Model(inputs, keras.layers.Dense(10, name="logits")(h))
 
 
-# Build in float32, then convert: BatchNormalization and the logits stay float32.
+# Build in float32, then convert: the logits stay float32, BN keeps FP32 statistics inside.
 model = kmp.convert(cnn(), POLICY)
 for layer in model.layers[1:]:
     print(f"  {layer.name:<22} {layer.dtype_policy.name}")

@@ -45,30 +45,46 @@ _TOKENS = {
     "attention": "convert swaps keras.layers.MultiHeadAttention for "
     "keras_mp.layers.MultiHeadAttention (softmax in FP32); pins Attention/AdditiveAttention",
     "output": "the layer(s) producing model.outputs (the logits)",
+    "normalization": "normalization statistics in FP32: Keras' BatchNormalization, "
+    "LayerNormalization, GroupNormalization and RMSNormalization already compute them in "
+    "float32 internally and stay in the compute dtype (no extra casts) under mixed policies; "
+    "other normalization layers, and all of them under pure float16/bfloat16, are pinned",
 }
+
+# Keras normalization layers whose `call` up-casts to float32 for the statistics and casts
+# only the result back: pinning them would add FP32 activations and casts for nothing.
+_NATIVE_FP32_STATISTICS = (
+    keras.layers.BatchNormalization,
+    keras.layers.LayerNormalization,
+    keras.layers.GroupNormalization,
+    keras.layers.RMSNormalization,
+)
+_NORMALIZATION = _NATIVE_FP32_STATISTICS + (keras.layers.UnitNormalization,)
 
 DEFAULT_KEEP_FP32 = (
     "softmax",
     "attention",
     "output",
-    "BatchNormalization",
-    "LayerNormalization",
-    "GroupNormalization",
-    "UnitNormalization",
-    "RMSNormalization",
+    "normalization",
 )
 """The default FP32 keep-list.
 
 Entries are matched against each layer (nested layers included):
 
 - a layer class (e.g. `keras.layers.Dense`): matches instances, subclasses included;
-- a token: `"softmax"`, `"attention"` or `"output"` (see `Policy`);
+- a token: `"softmax"`, `"attention"`, `"output"` or `"normalization"` (see `Policy`);
 - any other string: a class name matched against the layer's class and its bases
   (`"BatchNormalization"` also matches `SyncBatchNormalization`), or an `fnmatch` pattern
   matched against the layer's name and path (`"*head*"`, `"encoder/*"`).
 
 Losses are not layers: use `keras_mp.losses`, which compute in FP32 whatever the input dtype;
 the `"output"` entry makes the logits that reach the loss FP32 as well.
+
+`"normalization"` asks for FP32 statistics, which Keras' own BatchNormalization,
+LayerNormalization, GroupNormalization and RMSNormalization already compute internally:
+under the mixed policies they stay in the compute dtype (pinning them cost ~15% of a small
+GPT step on CPU, benchmarks/BENCHMARKS.md). To run a whole normalization layer in FP32
+anyway, add its class name, e.g. `DEFAULT_KEEP_FP32 + ("LayerNormalization",)`.
 
 Extend with `DEFAULT_KEEP_FP32 + ("*head*",)`; remove entries by value, e.g.
 `tuple(e for e in DEFAULT_KEEP_FP32 if e != "output")`.
@@ -103,6 +119,8 @@ def _entry_matches(entry: Any, layer: keras.layers.Layer, outputs: frozenset) ->
         return isinstance(layer, (keras.layers.Attention, keras.layers.AdditiveAttention))
     if entry == "output":
         return id(layer) in outputs
+    if entry == "normalization":
+        return isinstance(layer, _NORMALIZATION)
     mro = type(layer).__mro__
     if any(entry in (c.__name__, keras.saving.get_registered_name(c)) for c in mro):
         return True
@@ -230,11 +248,20 @@ class Policy(keras.DTypePolicy):
             output_layers: Layers producing the model outputs (for the `"output"` token).
 
         Returns:
-            `keras.DTypePolicy("float32")` for keep-list layers under a low-precision policy,
+            `keras.DTypePolicy("float32")` for keep-list layers under a low-precision policy
+            (except where the layer already keeps the listed math in FP32 itself: Keras'
+            own normalization layers under `"normalization"` with FP32 master weights),
             else `self.base`.
         """
-        if self.is_low_precision and self.keep_entry(layer, output_layers) is not None:
-            return keras.DTypePolicy("float32")
+        if not self.is_low_precision:
+            return self.base
+        outputs = frozenset(id(x) for x in output_layers)
+        for entry in self._keep_fp32:
+            if not _entry_matches(entry, layer, outputs):
+                continue
+            native = entry == "normalization" and type(layer) in _NATIVE_FP32_STATISTICS
+            if not (native and self.has_master_weights):
+                return keras.DTypePolicy("float32")
         return self.base
 
     def dtype_policy_map(self, model: keras.Model) -> keras.dtype_policies.DTypePolicyMap:

@@ -113,7 +113,7 @@ def test_precision_modes_and_compile_choices():
     assert _jit("float32", "on") == (True, "xla") and _jit("float16", "off") == (False, "none")
     pure, mixed = _policy("float16"), _policy("mixed_float16")
     assert pure.keep_fp32 == () and pure.variable_dtype == pure.compute_dtype == "float16"
-    assert "BatchNormalization" in mixed.keep_fp32 and "output" in mixed.keep_fp32
+    assert "normalization" in mixed.keep_fp32 and "output" in mixed.keep_fp32
     assert mixed.variable_dtype == "float32" and mixed.compute_dtype == "float16"
 
 

@@ -102,7 +102,7 @@ def test_bad_keep_list_entry_lists_valid_entries():
     for bad in (3, None, keras.layers.Dense(2), dict, ""):
         with pytest.raises(ValueError, match="Invalid keep_fp32 entry") as info:
             policies.Policy("mixed_bfloat16", keep_fp32=["softmax", bad])
-        assert "['attention', 'output', 'softmax']" in str(info.value)
+        assert "['attention', 'normalization', 'output', 'softmax']" in str(info.value)
 
 
 def test_keep_list_must_be_a_collection():
@@ -116,22 +116,28 @@ def test_for_layer_pins_keep_list_layers_only_under_low_precision():
         keras.layers.Softmax(),
         keras.layers.Activation("log_softmax"),
         keras.layers.Dense(3, activation="softmax"),
+        keras.layers.UnitNormalization(),
+        keras.layers.Attention(),
+    ]
+    # Keras' own BN/LN/GN/RMSNorm compute their statistics in float32 themselves: under a
+    # mixed policy they stay low (no extra casts); under a pure one they are pinned.
+    native = [
         keras.layers.BatchNormalization(),
         keras.layers.LayerNormalization(),
         keras.layers.GroupNormalization(groups=2),
-        keras.layers.UnitNormalization(),
         keras.layers.RMSNormalization(),
-        keras.layers.Attention(),
     ]
     free = [keras.layers.Dense(3), keras.layers.Conv2D(2, 3), keras.layers.Activation("relu")]
     assert [policy.for_layer(x).name for x in pinned] == ["float32"] * len(pinned)
-    assert [policy.for_layer(x).name for x in free] == ["mixed_bfloat16"] * len(free)
+    assert [policy.for_layer(x).name for x in free + native] == ["mixed_bfloat16"] * 7
+    pure = _policy("bfloat16")
+    assert [pure.for_layer(x).name for x in native] == ["float32"] * len(native)
     # The "output" token needs the model's output layers.
     dense = keras.layers.Dense(3)
     assert policy.for_layer(dense, output_layers=[dense]).name == "float32"
     # Under float32 there is nothing to pin.
     assert _policy("float32").for_layer(keras.layers.Softmax()).name == "float32"
-    assert policy.keep_entry(keras.layers.LayerNormalization()) == "LayerNormalization"
+    assert policy.keep_entry(keras.layers.LayerNormalization()) == "normalization"
 
 
 def test_keep_list_extension_and_removal():
@@ -142,8 +148,13 @@ def test_keep_list_extension_and_removal():
     assert _policy("mixed_float16").for_layer(head).name == "mixed_float16"
     by_class = _policy("mixed_float16", keep_fp32=[keras.layers.Dense])
     assert by_class.for_layer(head).name == "float32"
-    removed = [e for e in kmp.DEFAULT_KEEP_FP32 if e != "LayerNormalization"]
-    assert _policy("mixed_float16", keep_fp32=removed).for_layer(norm).name == "mixed_float16"
+    assert _policy("mixed_float16").for_layer(norm).name == "mixed_float16"  # FP32 stats inside
+    whole = _policy("mixed_float16", keep_fp32=kmp.DEFAULT_KEEP_FP32 + ("LayerNormalization",))
+    assert whole.for_layer(norm).name == "float32"
+    removed = [e for e in kmp.DEFAULT_KEEP_FP32 if e != "output"]
+    assert _policy("mixed_float16", keep_fp32=removed).for_layer(head, [head]).name == (
+        "mixed_float16"
+    )
 
 
 def test_dtype_policy_map_over_layer_paths():
@@ -151,7 +162,7 @@ def test_dtype_policy_map_over_layer_paths():
     policy_map = _policy("mixed_bfloat16").dtype_policy_map(model)
     assert isinstance(policy_map, keras.dtype_policies.DTypePolicyMap)
     assert policy_map.default_policy.name == "mixed_bfloat16"
-    assert sorted(policy_map) == ["bn", "ln", "logits"]  # Softmax has no path (no weights)
+    assert sorted(policy_map) == ["logits"]  # Softmax has no path; BN/LN keep FP32 stats inside
     assert policy_map["logits"].name == "float32"
     assert policy_map["hidden"].name == "mixed_bfloat16"
 
@@ -211,7 +222,9 @@ def test_convert_functional_pins_keep_list_and_copies_weights(policy_name):
         warnings.simplefilter("ignore", UserWarning)
         converted = kmp.convert(model, policy_name)
     assert converted is not model
-    _check_converted(model, converted, policy_name, pinned={"bn", "ln", "logits", "probs"})
+    # BN/LN compute FP32 statistics themselves: pinned only where variables would be low.
+    norms = {"bn", "ln"} if policy_name == "bfloat16" else set()
+    _check_converted(model, converted, policy_name, pinned={"logits", "probs"} | norms)
     after = [keras.ops.convert_to_numpy(w.value) for w in model.weights]
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     if policy_name == "mixed_bfloat16":
@@ -245,7 +258,7 @@ def test_convert_sequential_nested_and_output_activation():
     converted = kmp.convert(model, "mixed_bfloat16")
     assert isinstance(converted, keras.Sequential)
     # "out" is pinned as the logits layer feeding the output Activation.
-    _check_converted(model, converted, "mixed_bfloat16", pinned={"inner_ln", "out", "act"})
+    _check_converted(model, converted, "mixed_bfloat16", pinned={"out", "act"})
     assert _weights_equal(model, converted)
 
 
@@ -392,5 +405,24 @@ def test_converted_model_saves_and_loads_without_keras_mp_policy(tmp_path):
     loaded = keras.saving.load_model(path)
     dtypes = {x.name: x.dtype_policy.name for x in loaded.layers[1:]}  # after the InputLayer
     assert dtypes == {x.name: x.dtype_policy.name for x in converted.layers[1:]}
-    assert dtypes["ln"] == "float32" and dtypes["hidden"] == "mixed_bfloat16"
+    assert dtypes["logits"] == "float32" and dtypes["hidden"] == "mixed_bfloat16"
     assert _weights_equal(converted, loaded)
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
+def test_unpinned_normalization_layers_keep_fp32_statistics(policy_name):
+    """Keras' BN/LN up-cast for the statistics: with inputs near 300 the squares (9e4) are
+    past FP16's 65504, yet the low-precision layers match the FP32 ones to output rounding."""
+    rng = np.random.default_rng(0)
+    x = (300.0 + 40.0 * rng.normal(size=(64, 16))).astype("float32")
+    low = _policy(policy_name).compute_dtype
+    eps = 2.0**-10 if low == "float16" else 2.0**-7
+    for cls in (keras.layers.BatchNormalization, keras.layers.LayerNormalization):
+        ref_layer, low_layer = cls(), cls(dtype=policy_name)
+        ref = keras.ops.convert_to_numpy(ref_layer(x, training=True))
+        got = keras.ops.convert_to_numpy(low_layer(x, training=True)).astype("float32")
+        assert low_layer.compute_dtype == low
+        assert np.isfinite(got).all()
+        # Input rounding to the low dtype (relative eps of 300 is ~0.3 in FP16 units of the
+        # std 40) plus output rounding; an FP16 variance would be inf/NaN instead.
+        np.testing.assert_allclose(got, ref, atol=300 * eps / 40 * 4 + 4 * eps)

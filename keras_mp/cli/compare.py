@@ -2,11 +2,11 @@
 
 Each mode starts from the same float32 weights (the model is built once with the seed and
 converted with `kmp.convert`), sees the batches in the same order and follows the same
-learning-rate schedule. Mixed modes use `kmp.Policy` with its FP32 keep-list (batch norm
-and the logits layer stay float32) and FP32 master weights; `mixed_float16` adds
-`kmp.LossScaleOptimizer`. The pure modes keep every variable in float16/bfloat16 with no
-keep-list, no master weights and no loss scaling: what training looks like without the
-recipe. Losses are `kmp.losses` (float32 math) in every mode.
+learning-rate schedule. Mixed modes use `kmp.Policy` with its FP32 keep-list (the logits
+layer stays float32, batch norm keeps float32 statistics) and FP32 master weights;
+`mixed_float16` adds `kmp.LossScaleOptimizer`. The pure modes keep every variable in
+float16/bfloat16 with no keep-list, no master weights and no loss scaling: what training
+looks like without the recipe. Losses are `kmp.losses` (float32 math) in every mode.
 
 The default schedule (Adam, peak learning rate 3e-4 with cosine decay to 0, 20 epochs,
 batch 32) makes Adam's per-weight steps (about the learning rate) fall, late in training,
