@@ -82,8 +82,8 @@ the `"output"` entry makes the logits that reach the loss FP32 as well.
 
 `"normalization"` asks for FP32 statistics, which Keras' own BatchNormalization,
 LayerNormalization, GroupNormalization and RMSNormalization already compute internally:
-under the mixed policies they stay in the compute dtype (pinning them cost ~15% of a small
-GPT step on CPU, benchmarks/BENCHMARKS.md). To run a whole normalization layer in FP32
+under the mixed policies they stay in the compute dtype (pinning them whole would only add
+FP32 activations and casts). To run a whole normalization layer in FP32
 anyway, add its class name, e.g. `DEFAULT_KEEP_FP32 + ("LayerNormalization",)`.
 
 Extend with `DEFAULT_KEEP_FP32 + ("*head*",)`; remove entries by value, e.g.

@@ -111,7 +111,8 @@ def add_speedups(row: dict, earlier: list) -> dict:
     row["speedup_vs_fp32"] = _speedup(fp32, row)
     row["speedup_vs_best_fp32"] = _speedup(best, row)
     if POLICIES.get(row["policy"], "float32") != "float32":
-        stock_name = "stock_" + POLICIES[row["policy"]]
+        dtype = POLICIES[row["policy"]]
+        stock_name = "stock_" + ("mixed_bfloat16" if dtype == "float8" else dtype)
         stock = next((r for r in same_jit if r["policy"] == stock_name), None)
         row["speedup_vs_stock"] = _speedup(stock, row)
     return row

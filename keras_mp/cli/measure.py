@@ -10,6 +10,8 @@ times its train steps and returns the JSON record of `keras_mp.cli.benchmark`. T
 - `keras_mp_mixed_bfloat16`, `keras_mp_mixed_float16`: `kmp.convert(model, kmp.Policy(...))`
   (FP32 keep-list), `kmp.losses.SparseCategoricalCrossentropy(from_logits=True)` and, for
   FP16, `kmp.LossScaleOptimizer` (dynamic scaling).
+- `keras_mp_float8`: `kmp.convert(model, kmp.Policy("float8"))`: FP8 Dense/EinsumDense
+  (delayed scaling) over mixed_bfloat16; its `speedup_vs_stock` is against stock bf16.
 
 Example:
 
@@ -42,6 +44,7 @@ POLICIES = {
     "keras_mp_mixed_bfloat16": "mixed_bfloat16",
     "stock_mixed_float16": "mixed_float16",
     "keras_mp_mixed_float16": "mixed_float16",
+    "keras_mp_float8": "float8",  # FP8 matmuls over mixed_bfloat16: compared with stock bf16
     "float32_strict": "float32",
 }
 _JIT_SUFFIX = {"jit": True, "nojit": False}
