@@ -332,7 +332,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 initializer=keras.initializers.Constant(value)
                 if value.ndim == 0
                 else keras.initializers.Zeros(),
-                aggregation="none",
+                # Every replica computes the same state (the finiteness flags are
+                # all-reduced first), so the first replica's value is the value; unlike
+                # "none", this also lets the no-merge-call path assign in replica context.
+                aggregation="only_first_replica",
                 name=name,
             )
 
