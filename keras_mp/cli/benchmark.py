@@ -226,17 +226,12 @@ def main(argv=None) -> int:
             raise ValueError(f"--{flag} must be at least 1. Received: {getattr(args, flag)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0. Received: {args.warmup}")
+    def measure(model_name, policy):
+        return run_one(model_name, policy, args.steps, args.warmup, args.jit, args.keep_fp32,
+                       args.intra_op, args.inter_op)
+
     if args.one:
-        record = run_one(
-            *args.one,
-            args.steps,
-            args.warmup,
-            args.jit,
-            args.keep_fp32,
-            args.intra_op,
-            args.inter_op,
-        )
-        print("RESULT " + json.dumps(record), flush=True)
+        print("RESULT " + json.dumps(measure(*args.one)), flush=True)
         return 0
     models = _names("model", args.models, WORKLOADS)
     order = list(POLICIES)
@@ -252,16 +247,7 @@ def main(argv=None) -> int:
             if args.budget and time.monotonic() - start > args.budget:
                 row = {"error": f"skipped: --budget {args.budget:g} s spent"}
             elif args.in_process:
-                row = run_one(
-                    model_name,
-                    policy,
-                    args.steps,
-                    args.warmup,
-                    args.jit,
-                    args.keep_fp32,
-                    args.intra_op,
-                    args.inter_op,
-                )
+                row = measure(model_name, policy)
             else:
                 row = _subprocess(args, model_name, policy)
             if "error" in row:
