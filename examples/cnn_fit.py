@@ -1,9 +1,10 @@
 """Train a BatchNorm CNN with `model.fit` under mixed float16.
 
-The canonical recipe in a few lines: a policy with FP32 master weights, the logits layer
-kept in float32 and batch-norm statistics in float32 (`kmp.convert` applies the keep-list;
-Keras' BatchNormalization computes its statistics in float32 itself), dynamic loss scaling,
-float32 loss math, and callbacks that show the loss scale and stop on a collapse.
+The canonical recipe in a few lines: a policy with FP32 master weights, batch-norm
+statistics and the loss math in float32 (`kmp.convert` applies the keep-list: Keras'
+BatchNormalization computes its statistics in float32 itself, and the logits projection keeps
+its fast float16 matmul because `kmp.losses` take the log-softmax in float32), dynamic loss
+scaling, and callbacks that show the loss scale and stop on a collapse.
 
     python examples/cnn_fit.py              # about a minute on a laptop CPU
     KERAS_MP_EXAMPLE_FAST=1 python examples/cnn_fit.py
@@ -51,7 +52,7 @@ def cnn():
     return keras.Model(inputs, keras.layers.Dense(10, name="logits")(h))
 
 
-# Build in float32, then convert: the logits stay float32, BN keeps FP32 statistics inside.
+# Build in float32, then convert: BN keeps FP32 statistics inside, the loss is FP32 math.
 model = kmp.convert(cnn(), POLICY)
 for layer in model.layers[1:]:
     print(f"  {layer.name:<22} {layer.dtype_policy.name}")

@@ -31,6 +31,7 @@ from keras import ops
 from keras.dtype_policies import DTypePolicyMap, QuantizedFloat8DTypePolicy
 
 from keras_mp import layers as kmp_layers
+from keras_mp.policies import _output_layers
 
 __all__ = [
     "Float8DTypePolicy",
@@ -354,16 +355,19 @@ _ATTENTION_CLASSES = {
 
 
 def apply_float8(model: keras.Model, recipe: Float8Recipe | None = None,
-                 exclude: Callable[[keras.layers.Layer], bool] | None = None) -> keras.Model:
+                 exclude: Callable[[keras.layers.Layer], bool] | None = None,
+                 include_outputs: bool = False) -> keras.Model:
     """Makes a built model's `Dense` and `EinsumDense` layers train in FP8, in place.
 
     Every `keras.layers.Dense` and `keras.layers.EinsumDense` (exact classes, nested ones
     included, and the projections of `keras.layers.MultiHeadAttention` and
     `keras_mp.layers.MultiHeadAttention`) is quantized to float8 under `recipe`. Left as
-    they are: layers computing in float32 inside a model that does not (the FP32
-    keep-list, e.g. the output logits layer), layers for which `exclude(layer)` is true,
-    and layers already quantized. Everything else keeps its policy: call this on a model
-    already under `"mixed_bfloat16"` with the keep-list applied (`kmp.convert`).
+    they are: the layers producing the model's outputs unless `include_outputs` (the logits
+    projection keeps its bfloat16 matmul, as in Transformer Engine recipes: FP8 rounding of
+    the logits costs accuracy for little speed), layers computing in float32 inside a model
+    that does not (the FP32 keep-list), layers for which `exclude(layer)` is true, and layers
+    already quantized. Everything else keeps its policy: call this on a model already under
+    `"mixed_bfloat16"` with the keep-list applied (`kmp.convert`).
 
     The weights are kept; FP8 scales and amax histories are added (the kernel's from its
     current amax, the others 1.0 and zeros until the first step). Call it before
@@ -376,6 +380,7 @@ def apply_float8(model: keras.Model, recipe: Float8Recipe | None = None,
         recipe: A `Float8Recipe` (default `Float8Recipe()`).
         exclude: Optional predicate; layers (and attention projections) for which it
             returns True stay as they are.
+        include_outputs: Also quantize the layers producing `model.outputs`.
 
     Returns:
         `model`, now with FP8 matmuls.
@@ -399,9 +404,10 @@ def apply_float8(model: keras.Model, recipe: Float8Recipe | None = None,
             "training so the optimizer tracks the FP8 scale variables (or compile again)."
         )
     model_fp32 = model.compute_dtype == "float32"
+    heads = frozenset() if include_outputs else frozenset(id(x) for x in _output_layers(model))
 
     def wanted(layer):
-        pinned = layer.compute_dtype == "float32" and not model_fp32
+        pinned = (layer.compute_dtype == "float32" and not model_fp32) or id(layer) in heads
         return not pinned and not (exclude and exclude(layer)) and layer.quantization_mode is None
 
     layers = list(model._flatten_layers(include_self=False))

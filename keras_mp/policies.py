@@ -44,7 +44,11 @@ _TOKENS = {
     "or log_softmax, and the softmax sublayer of stock attention layers",
     "attention": "convert swaps keras.layers.MultiHeadAttention for "
     "keras_mp.layers.MultiHeadAttention (softmax in FP32); pins Attention/AdditiveAttention",
-    "output": "the layer(s) producing model.outputs (the logits)",
+    "output": "the layer(s) producing model.outputs: FP32 logits math. A linear projection "
+    "emitting logits (Dense/EinsumDense/Conv with a linear activation) keeps its matmul in the "
+    "compute dtype (FP32 accumulation) under mixed policies, since keras_mp.losses and Keras' "
+    "losses take the log-softmax in FP32; any other output layer (softmax, sigmoid or another "
+    "activation, a non-projection layer), and all of them under pure float16/bfloat16, is pinned",
     "normalization": "normalization statistics in FP32: Keras' BatchNormalization, "
     "LayerNormalization, GroupNormalization and RMSNormalization already compute them in "
     "float32 internally and stay in the compute dtype (no extra casts) under mixed policies; "
@@ -60,6 +64,16 @@ _NATIVE_FP32_STATISTICS = (
     keras.layers.RMSNormalization,
 )
 _NORMALIZATION = _NATIVE_FP32_STATISTICS + (keras.layers.UnitNormalization,)
+
+# Output layers that are plain projections: with a linear activation they emit logits, whose
+# numerically sensitive part (the log-softmax and the loss) the losses take in FP32.
+_PROJECTIONS = (
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+)
 
 DEFAULT_KEEP_FP32 = (
     "softmax",
@@ -77,8 +91,16 @@ Entries are matched against each layer (nested layers included):
   (`"BatchNormalization"` also matches `SyncBatchNormalization`), or an `fnmatch` pattern
   matched against the layer's name and path (`"*head*"`, `"encoder/*"`).
 
-Losses are not layers: use `keras_mp.losses`, which compute in FP32 whatever the input dtype;
-the `"output"` entry makes the logits that reach the loss FP32 as well.
+Losses are not layers: use `keras_mp.losses`, which compute in FP32 whatever the input dtype
+(Keras' own losses default to float32 too). The `"output"` entry asks for FP32 math after the
+last matmul: an output layer that only projects to logits (Dense, EinsumDense or Conv with a
+linear activation) keeps its matmul in the compute dtype under the mixed policies (tensor
+cores accumulate in FP32; the loss up-casts the logits), because running the vocabulary
+projection of a language model in FP32 costs about a fifth of the whole step on a GPU (issue
+8's measurement: 22% of the step, 19% more memory). Output layers that do more (a softmax or
+sigmoid activation, a `Softmax`/`Activation` layer, anything else) are pinned, as are all of
+them under pure float16/bfloat16. To pin the logits projection too, add its name, e.g.
+`DEFAULT_KEEP_FP32 + ("head",)`.
 
 `"normalization"` asks for FP32 statistics, which Keras' own BatchNormalization,
 LayerNormalization, GroupNormalization and RMSNormalization already compute internally:
@@ -106,6 +128,14 @@ def _check_entry(entry: Any) -> Any:
 def _has_softmax_activation(layer: keras.layers.Layer) -> bool:
     activation = getattr(layer, "activation", None)
     return callable(activation) and getattr(activation, "__name__", "") in _SOFTMAX_NAMES
+
+
+def _emits_logits(layer: keras.layers.Layer) -> bool:
+    """A projection layer with a linear activation (its output is logits, nothing more)."""
+    if not isinstance(layer, _PROJECTIONS):
+        return False
+    activation = getattr(layer, "activation", None)
+    return activation is None or getattr(activation, "__name__", "") == "linear"
 
 
 def _entry_matches(entry: Any, layer: keras.layers.Layer, outputs: frozenset) -> bool:
@@ -143,7 +173,8 @@ class Policy(keras.DTypePolicy):
     policy; all others get `policy.base`. Keep-list tokens: `"softmax"` (softmax/log-softmax
     layers and activations), `"attention"` (stock multi-head attention is swapped for
     `keras_mp.layers.MultiHeadAttention` by `convert`; `Attention`/`AdditiveAttention` pinned),
-    `"output"` (the layers producing `model.outputs`). See `DEFAULT_KEEP_FP32` for the rest.
+    `"output"` (FP32 after the last matmul of the layers producing `model.outputs`). See
+    `DEFAULT_KEEP_FP32` for the details and the rest.
 
     `Policy` is itself a `keras.DTypePolicy` (its compute and variable dtypes are those of
     its name), so it can be passed wherever Keras takes a dtype policy.
@@ -249,9 +280,9 @@ class Policy(keras.DTypePolicy):
 
         Returns:
             `keras.DTypePolicy("float32")` for keep-list layers under a low-precision policy
-            (except where the layer already keeps the listed math in FP32 itself: Keras'
-            own normalization layers under `"normalization"` with FP32 master weights),
-            else `self.base`.
+            (except, with FP32 master weights, where the listed math is FP32 without pinning:
+            Keras' own normalization layers under `"normalization"`, logits projections
+            under `"output"`), else `self.base`.
         """
         if not self.is_low_precision:
             return self.base
@@ -259,7 +290,9 @@ class Policy(keras.DTypePolicy):
         for entry in self._keep_fp32:
             if not _entry_matches(entry, layer, outputs):
                 continue
-            native = entry == "normalization" and type(layer) in _NATIVE_FP32_STATISTICS
+            native = (entry == "normalization" and type(layer) in _NATIVE_FP32_STATISTICS) or (
+                entry == "output" and _emits_logits(layer)
+            )
             if not (native and self.has_master_weights):
                 return keras.DTypePolicy("float32")
         return self.base
@@ -407,8 +440,9 @@ def convert(model: keras.Model, policy: str | Policy) -> keras.Model:
     `keras.layers.MultiHeadAttention` / `keras.layers.Softmax` become their `keras_mp.layers`
     versions (same config and weights). Weights are copied exactly (FP32 master weights are
     bit-identical; pure float16/bfloat16 policies round them). The original model is not
-    modified. If it was compiled, the copy is compiled from the same compile config; compile
-    it again to use `keras_mp.LossScaleOptimizer` / `keras_mp.losses`.
+    modified. Under `"float8"` the output layers keep their bfloat16 matmul (no FP8 for the
+    logits projection). If it was compiled, the copy is compiled from the same compile config;
+    compile it again to use `keras_mp.LossScaleOptimizer` / `keras_mp.losses`.
 
     Supported: Functional and Sequential models (nested ones included), via
     `keras.models.clone_model`, and subclassed models whose class round-trips through
@@ -443,5 +477,5 @@ def convert(model: keras.Model, policy: str | Policy) -> keras.Model:
     if policy.name == "float8":
         from keras_mp.float8 import apply_float8  # lazy: float8 imports this module
 
-        apply_float8(new, policy.float8_recipe)
+        apply_float8(new, policy.float8_recipe)  # the output layers stay bfloat16
     return new

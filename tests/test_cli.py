@@ -163,7 +163,7 @@ def test_models_are_seeded_and_output_logits(kind):
 
         mixed = kmp.convert(a, "mixed_bfloat16")
         assert mixed.get_layer("positions").compute_dtype == "bfloat16"
-        assert mixed.get_layer("logits").compute_dtype == "float32"
+        assert mixed.get_layer("logits").compute_dtype == "bfloat16"  # a logits projection
 
 
 # -- audit and doctor ----------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_training_steps_update_scales_by_the_recipe(algo, fmt, margin):
     """Float32 source policy so the FP8 numbers can be checked exactly with ml_dtypes."""
     model = _dense_model()
     recipe = f8.Float8Recipe(margin, 4, algo, fmt)
-    f8.apply_float8(model, recipe)
+    f8.apply_float8(model, recipe, include_outputs=True)  # "d" is the model's output layer
     layer = model.get_layer("d")
     assert type(layer) is f8.Float8Dense and layer.inputs_amax_history.shape == (4,)
     # lr 0: the kernel stays put. Eager on TF: tracing costs more than two steps.
@@ -193,6 +193,9 @@ def test_convert_then_apply_float8_keeps_logits_out_of_fp8():
     h = keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)
     model = keras.Model(inp, keras.layers.Dense(5, name="logits")(keras.layers.Dense(8)(h)))
     mixed = f8.apply_float8(kmp.convert(model, "mixed_bfloat16"))
+    # The logits projection runs bfloat16 after convert (FP32 accumulation, FP32 loss math),
+    # and apply_float8 leaves output layers out of FP8.
+    assert mixed.get_layer("logits").compute_dtype == "bfloat16"
     assert "logits" not in {layer.path for layer in f8.float8_layers(mixed)}
     assert len(f8.float8_layers(mixed)) == 5
     x = np.random.default_rng(0).normal(size=(2, 6, 8)).astype("float32")
@@ -212,7 +215,7 @@ def test_save_and_load_keep_scales_histories_and_recipe(tmp_path):
     h = kmp.layers.MultiHeadAttention(2, 4, name="kmp_mha")(inp, inp)
     model = keras.Model(inp, keras.layers.Dense(5, name="ff")(h))
     recipe = f8.Float8Recipe(margin=1, amax_history_len=8, amax_compute_algo="most_recent")
-    f8.apply_float8(model, recipe)
+    f8.apply_float8(model, recipe, include_outputs=True)
     # A few steps: eager on TF (tracing costs more than they do), compiled elsewhere.
     model.compile(keras.optimizers.Adam(1e-3), "mse", run_eagerly=BACKEND == "tensorflow")
     rng = np.random.default_rng(0)

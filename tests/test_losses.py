@@ -151,3 +151,96 @@ def test_serialization_round_trip():
     sparse = losses.SparseCategoricalCrossentropy(axis=1, ignore_class=-1)
     assert sparse.get_config()["axis"] == 1  # Keras 3.15 drops `axis` from this config
     assert type(sparse).from_config(sparse.get_config()).axis == 1
+
+
+# --- The fused sparse cross-entropy from logits ----------------------------------------
+
+SEQ_LOGITS = (RNG.standard_normal((3, 7, 300)) * 8).astype(np.float32)
+SEQ_LABELS = RNG.integers(0, 300, (3, 7))
+SEQ_LABELS[0, :2] = 5  # the ignored class below
+SEQ_WEIGHTS = RNG.random((3, 7)).astype(np.float32)
+
+
+def _value_and_grad(fn, x):
+    """(fn(x), d fn / dx) through the backend's autodiff."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        value, grad = jax.jit(jax.value_and_grad(fn))(x)
+        return np.asarray(value, np.float64), grad
+    import tensorflow as tf
+
+    x = tf.convert_to_tensor(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        value = fn(x)
+    return value.numpy().astype(np.float64), tape.gradient(value, x)
+
+
+def _reference64(labels, logits, ignore, weights):
+    """float64 numpy cross-entropy (sum over valid positions of weight * loss) and its grad."""
+    z = logits.astype(np.float64)
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    w = weights * (labels != ignore)
+    picked = np.take_along_axis(z, labels[..., None], -1)[..., 0]
+    grad = np.exp(z - lse[..., None]) - np.eye(z.shape[-1])[labels]
+    return (w * (lse - picked)).sum(), grad * w[..., None]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(ignore_class=5), dict(reduction="sum"), dict(reduction=None)],
+    ids=["mean", "ignore_class", "sum", "none"],
+)
+def test_fused_sparse_equals_keras_values(kwargs):
+    """The fused path (from_logits, class axis last) gives Keras' float32 values for every
+    reduction, with sample weights, ignore_class, and (B, T, 1)-shaped labels."""
+    ours = losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
+    stock = keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
+    for labels in (SEQ_LABELS, SEQ_LABELS[..., None]):
+        got = ops.convert_to_numpy(ours(labels, SEQ_LOGITS, sample_weight=SEQ_WEIGHTS))
+        want = ops.convert_to_numpy(stock(labels, SEQ_LOGITS, sample_weight=SEQ_WEIGHTS))
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_sparse_gradient_matches_float64_reference(dtype):
+    """Loss and gradient against float64 numpy: the gradient (softmax - one_hot, zero at the
+    ignored class, times the sample weight) comes back in the logits' dtype, within float32
+    rounding, or one bfloat16 ulp of |g| <= 1 (2^-8) for bfloat16 logits."""
+    logits = ops.cast(SEQ_LOGITS, dtype)
+    exact_logits = ops.convert_to_numpy(ops.cast(logits, "float32")).astype(np.float64)
+    loss = losses.SparseCategoricalCrossentropy(
+        from_logits=True, ignore_class=5, reduction="sum"
+    )
+    value, grad = _value_and_grad(lambda z: loss(SEQ_LABELS, z, sample_weight=SEQ_WEIGHTS), logits)
+    want_value, want_grad = _reference64(SEQ_LABELS, exact_logits, 5, SEQ_WEIGHTS)
+    assert _dtype(grad) == dtype
+    grad = ops.convert_to_numpy(ops.cast(grad, "float32"))
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, atol=1e-6 if dtype == "float32" else 2**-8)
+    assert np.all(grad[0, :2] == 0)  # ignored positions get no gradient
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA memory analysis via JAX")
+def test_fused_sparse_keeps_no_float32_logits_buffer():
+    """Compiled loss-and-gradient of bfloat16 logits (2048 x 8192), by XLA's buffer
+    assignment (not timing): the fused loss needs one logits-sized float32 temporary (XLA:CPU
+    materialises the up-cast in front of its reduction kernel; XLA:GPU fuses it), Keras' loss
+    three (a float32 copy, the float32 softmax kept for the backward pass, its gradient)."""
+    import jax
+    import jax.numpy as jnp
+
+    n, v = 2048, 8192
+    args = (jax.ShapeDtypeStruct((n, v), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.int32))
+
+    def temp_bytes(loss):
+        f = jax.value_and_grad(lambda z, y: loss(y, z))
+        return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    bf16_logits = n * v * 2
+    ours = temp_bytes(losses.SparseCategoricalCrossentropy(from_logits=True))
+    stock = temp_bytes(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert ours <= 2.1 * bf16_logits, ours / bf16_logits
+    assert stock >= 5.9 * bf16_logits, stock / bf16_logits

@@ -90,7 +90,7 @@ def test_float8_policy_converts_dense_layers_to_fp8_except_the_keep_list():
     model = keras.Model(inputs, out)
     converted = kmp.convert(model, policy)
     assert [layer.path for layer in float8.float8_layers(converted)] == ["hidden"]
-    assert converted.get_layer("logits").compute_dtype == "float32"
+    assert converted.get_layer("logits").compute_dtype == "bfloat16"  # output: bf16, not FP8
     assert converted.get_layer("hidden").compute_dtype == "bfloat16"
     x = np.random.default_rng(0).normal(size=(8, 16)).astype("float32")
     ref = keras.ops.convert_to_numpy(model(x))
@@ -132,9 +132,17 @@ def test_for_layer_pins_keep_list_layers_only_under_low_precision():
     assert [policy.for_layer(x).name for x in free + native] == ["mixed_bfloat16"] * 7
     pure = _policy("bfloat16")
     assert [pure.for_layer(x).name for x in native] == ["float32"] * len(native)
-    # The "output" token needs the model's output layers.
-    dense = keras.layers.Dense(3)
-    assert policy.for_layer(dense, output_layers=[dense]).name == "float32"
+    # The "output" token needs the model's output layers. A logits projection (linear
+    # activation) keeps its matmul low under mixed policies (the losses take the log-softmax in
+    # FP32); an output layer doing more, or any output layer under a pure policy, is pinned.
+    logits = [keras.layers.Dense(3), keras.layers.EinsumDense("ab,bc->ac", 3),
+              keras.layers.Conv2D(2, 1)]
+    assert [policy.for_layer(x, output_layers=[x]).name for x in logits] == ["mixed_bfloat16"] * 3
+    assert [pure.for_layer(x, output_layers=[x]).name for x in logits] == ["float32"] * 3
+    for other in (keras.layers.Dense(3, activation="sigmoid"), keras.layers.Dense(3, "relu"),
+                  keras.layers.Activation("tanh"), keras.layers.Embedding(4, 2)):
+        assert policy.for_layer(other, output_layers=[other]).name == "float32", other
+        assert policy.for_layer(other).name == "mixed_bfloat16"  # not an output: not pinned
     # Under float32 there is nothing to pin.
     assert _policy("float32").for_layer(keras.layers.Softmax()).name == "float32"
     assert policy.keep_entry(keras.layers.LayerNormalization()) == "normalization"
@@ -162,9 +170,13 @@ def test_dtype_policy_map_over_layer_paths():
     policy_map = _policy("mixed_bfloat16").dtype_policy_map(model)
     assert isinstance(policy_map, keras.dtype_policies.DTypePolicyMap)
     assert policy_map.default_policy.name == "mixed_bfloat16"
-    assert sorted(policy_map) == ["logits"]  # Softmax has no path; BN/LN keep FP32 stats inside
-    assert policy_map["logits"].name == "float32"
-    assert policy_map["hidden"].name == "mixed_bfloat16"
+    # Softmax has no path; BN/LN keep FP32 stats inside; the logits Dense runs low.
+    assert sorted(policy_map) == []
+    pinned = _policy("mixed_bfloat16", keep_fp32=kmp.DEFAULT_KEEP_FP32 + ("logits",))
+    pinned_map = pinned.dtype_policy_map(model)
+    assert sorted(pinned_map) == ["logits"]
+    assert pinned_map["logits"].name == "float32"
+    assert pinned_map["hidden"].name == policy_map["logits"].name == "mixed_bfloat16"
 
 
 def test_policy_config_round_trip_and_serialization():
@@ -223,8 +235,9 @@ def test_convert_functional_pins_keep_list_and_copies_weights(policy_name):
         converted = kmp.convert(model, policy_name)
     assert converted is not model
     # BN/LN compute FP32 statistics themselves: pinned only where variables would be low.
-    norms = {"bn", "ln"} if policy_name == "bfloat16" else set()
-    _check_converted(model, converted, policy_name, pinned={"logits", "probs"} | norms)
+    # So does the logits Dense under the mixed policy (its Softmax is FP32).
+    low = {"bn", "ln", "logits"} if policy_name == "bfloat16" else set()
+    _check_converted(model, converted, policy_name, pinned={"probs"} | low)
     after = [keras.ops.convert_to_numpy(w.value) for w in model.weights]
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
     if policy_name == "mixed_bfloat16":
@@ -257,8 +270,9 @@ def test_convert_sequential_nested_and_output_activation():
     )
     converted = kmp.convert(model, "mixed_bfloat16")
     assert isinstance(converted, keras.Sequential)
-    # "out" is pinned as the logits layer feeding the output Activation.
-    _check_converted(model, converted, "mixed_bfloat16", pinned={"out", "act"})
+    # "out" feeds the output Activation: it is an output layer, but a plain logits projection,
+    # so it runs bfloat16 and only the softmax Activation is pinned.
+    _check_converted(model, converted, "mixed_bfloat16", pinned={"act"})
     assert _weights_equal(model, converted)
 
 
@@ -405,7 +419,7 @@ def test_converted_model_saves_and_loads_without_keras_mp_policy(tmp_path):
     loaded = keras.saving.load_model(path)
     dtypes = {x.name: x.dtype_policy.name for x in loaded.layers[1:]}  # after the InputLayer
     assert dtypes == {x.name: x.dtype_policy.name for x in converted.layers[1:]}
-    assert dtypes["logits"] == "float32" and dtypes["hidden"] == "mixed_bfloat16"
+    assert dtypes["probs"] == "float32" and dtypes["hidden"] == "mixed_bfloat16"
     assert _weights_equal(converted, loaded)
 
 

@@ -13,19 +13,22 @@ MATMULS = (keras.layers.Conv2D, keras.layers.DepthwiseConv2D, keras.layers.Einsu
 def _relative_error(model, converted, x):
     # predict_on_batch: one compiled call (JAX runs eager calls op by op, ~6x slower here).
     reference = keras.ops.convert_to_numpy(model.predict_on_batch(x))
-    result = keras.ops.convert_to_numpy(converted.predict_on_batch(x))
-    assert result.dtype == np.float32  # the output (logits) layer is pinned to float32
+    result = converted.predict_on_batch(x)
+    # The logits projection runs in the compute dtype (the loss up-casts).
+    assert keras.backend.standardize_dtype(result.dtype) == converted.compute_dtype
+    result = keras.ops.convert_to_numpy(keras.ops.cast(result, "float32"))
     return float(np.abs(result - reference).max() / np.abs(reference).max())
 
 
 def _check_layers(model, converted, low, output_name):
-    """The output layer runs float32; BN/LN (FP32 statistics inside) and conv/matmul run low."""
-    counts = {"pinned": 0, "low": 0}
+    """Everything runs low: the logits head (a linear projection: FP32 accumulation, the loss
+    up-casts), BN/LN (FP32 statistics inside), conv/matmul; master weights stay FP32."""
+    counts = {"head": 0, "low": 0}
     for layer in converted._flatten_layers(include_self=False):
         variables = layer._trainable_variables + layer._non_trainable_variables
         if layer.name == output_name:
-            assert layer.compute_dtype == "float32", layer.name
-            counts["pinned"] += 1
+            assert layer.compute_dtype == low, layer.name
+            counts["head"] += 1
         elif isinstance(layer, NORMS + MATMULS) or isinstance(layer, keras.layers.Dense):
             assert layer.compute_dtype == low, layer.name
             counts["low"] += 1
@@ -46,10 +49,10 @@ def test_convert_mobilenetv2():
     )
     converted = kmp.convert(model, "mixed_bfloat16")
     counts = _check_layers(model, converted, "bfloat16", output_name="predictions")
-    assert counts == {"pinned": 1, "low": 52 + 35 + 17}  # head; BN + Conv2D + DepthwiseConv2D
+    assert counts == {"head": 1, "low": 52 + 35 + 17}  # head; BN + Conv2D + DepthwiseConv2D
     x = np.random.default_rng(0).uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
     # An untrained MobileNetV2's logits are tiny (~3e-11: float16 would flush them to zero,
-    # bfloat16 keeps FP32's range). Measured relative error: 2.6e-2 (8-bit mantissa, 50+ layers).
+    # bfloat16 keeps FP32's range). Measured relative error: 2.1e-2 (8-bit mantissa, 50+ layers).
     assert _relative_error(model, converted, x) < 6e-2
 
 
@@ -62,9 +65,9 @@ def test_convert_resnet50_logits_close(policy, tolerance):
     converted = kmp.convert(model, policy)
     low = kmp.Policy(policy).compute_dtype
     counts = _check_layers(model, converted, low, output_name="predictions")
-    assert counts == {"pinned": 1, "low": 53 + 53}  # head; BN + Conv2D
+    assert counts == {"head": 1, "low": 53 + 53}  # head; BN + Conv2D
     x = np.random.default_rng(0).uniform(-1, 1, size=(4, 32, 32, 3)).astype("float32")
-    # Measured on CPU: 1.3e-2 (bfloat16, 8-bit mantissa), 1.1e-3 (float16, 11-bit).
+    # Measured on CPU: 8.9e-3 (bfloat16, 8-bit mantissa), 1.7e-3 (float16, 11-bit).
     assert _relative_error(model, converted, x) < tolerance
 
 
@@ -91,12 +94,12 @@ def test_convert_transformer_close_and_trains():
     model = _transformer()
     converted = kmp.convert(model, "mixed_bfloat16")
     counts = _check_layers(model, converted, "bfloat16", output_name="logits")
-    assert counts == {"pinned": 1, "low": 2 + 2 + 4}  # logits; ln1, ln2, ffn, q/k/v/out
+    assert counts == {"head": 1, "low": 2 + 2 + 4}  # logits; ln1, ln2, ffn, q/k/v/out
     mha = converted.get_layer("mha")
     assert type(mha).__module__ == "keras_mp.layers"  # softmax in FP32 inside
     assert converted.get_layer("embed").compute_dtype == "bfloat16"
     x, y = _data()
-    # Measured: 4.1e-3 (bfloat16).
+    # Measured: 5.2e-3 (bfloat16).
     assert _relative_error(model, converted, x) < 2e-2
     converted.compile(
         optimizer=keras.optimizers.Adam(3e-3),
