@@ -155,3 +155,44 @@ def test_run_one_rejects_unknown_names():
         benchmark.run_one("resnet18", "float32")
     with pytest.raises(ValueError, match="keras_mp_mixed_float16"):
         benchmark.run_one("tiny_gpt", "float16")
+
+
+def test_scaler_only_row_is_compared_with_stock_float16():
+    """`stock_mixed_float16_kmp_scaler` differs from `stock_mixed_float16` only by the
+    optimizer wrapper: its speedup_vs_stock is the loss scaler's own cost."""
+    earlier = [
+        {"model": "m", "policy": "float32", "jit_compile": True, "step_ms_median": 90.0},
+        {"model": "m", "policy": "stock_mixed_float16", "jit_compile": True,
+         "step_ms_median": 50.0},
+    ]
+    row = benchmark.add_speedups(
+        {"model": "m", "policy": "stock_mixed_float16_kmp_scaler", "jit_compile": True,
+         "step_ms_median": 50.5},
+        earlier,
+    )
+    assert row["speedup_vs_stock"] == pytest.approx(50 / 50.5, abs=1e-3)
+    assert benchmark.default_jit("stock_mixed_float16_kmp_scaler", "tensorflow", False)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA analysis through JAX")
+def test_xla_memory_script_compiles_without_running(tmp_path, capsys):
+    """benchmarks/xla_memory.py at test sizes: one record per configuration; the fused
+    keras_mp loss needs less temporary memory than Keras' loss on the same bfloat16 logits."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "xla_memory.py"
+    spec = importlib.util.spec_from_file_location("xla_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "mem.jsonl"
+    argv = ["--models", "tiny_gpt", "--policies", "stock_mixed_bfloat16,keras_mp_mixed_bfloat16",
+            "--logits", "--out", str(out)]
+    assert module.main(argv) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    logits = {r["recipe"]: r for r in records if r["kind"] == "logits"}
+    steps = [r for r in records if r["kind"] == "step"]
+    assert sorted(logits) == ["fp32_head", "keras_mp", "stock"]
+    assert logits["keras_mp"]["temp_bytes"] < logits["stock"]["temp_bytes"]
+    assert [r["policy"] for r in steps] == ["stock_mixed_bfloat16", "keras_mp_mixed_bfloat16"]
+    assert all(r["xla_flops"] > 0 and r["argument_bytes"] > 0 for r in steps)

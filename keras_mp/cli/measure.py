@@ -10,6 +10,9 @@ times its train steps and returns the JSON record of `keras_mp.cli.benchmark`. T
 - `keras_mp_mixed_bfloat16`, `keras_mp_mixed_float16`: `kmp.convert(model, kmp.Policy(...))`
   (FP32 keep-list), `kmp.losses.SparseCategoricalCrossentropy(from_logits=True)` and, for
   FP16, `kmp.LossScaleOptimizer` (dynamic scaling).
+- `stock_mixed_float16_kmp_scaler`: `stock_mixed_float16` with `kmp.LossScaleOptimizer` in
+  place of Keras' (same model, loss and policy): its `speedup_vs_stock` is the cost of
+  keras_mp's loss scaler alone.
 - `keras_mp_float8`: `kmp.convert(model, kmp.Policy("float8"))`: FP8 Dense/EinsumDense
   (delayed scaling) over mixed_bfloat16; its `speedup_vs_stock` is against stock bf16.
 
@@ -43,6 +46,7 @@ POLICIES = {
     "stock_mixed_bfloat16": "mixed_bfloat16",
     "keras_mp_mixed_bfloat16": "mixed_bfloat16",
     "stock_mixed_float16": "mixed_float16",
+    "stock_mixed_float16_kmp_scaler": "mixed_float16",  # the loss scaler's overhead alone
     "keras_mp_mixed_float16": "mixed_float16",
     "keras_mp_float8": "float8",  # FP8 matmuls over mixed_bfloat16: compared with stock bf16
     "float32_strict": "float32",
@@ -180,7 +184,9 @@ def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32):
     optimizer = keras.optimizers.AdamW(1e-4)
     if stock:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        if dtype == "mixed_float16":
+        if policy == "stock_mixed_float16_kmp_scaler":
+            optimizer = _keras_mp_api()[0].LossScaleOptimizer(optimizer)
+        elif dtype == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     else:
         kmp, kmp_losses = _keras_mp_api()
