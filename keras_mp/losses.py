@@ -8,13 +8,14 @@ and pin the computation to float32 whatever the dtype of `y_pred`: predictions a
 to float32 first, and the loss value is float32. On float32 inputs they are numerically
 the Keras losses.
 
-`SparseCategoricalCrossentropy(from_logits=True)` (the language-model loss) is fused on JAX
-(and any backend but TensorFlow, whose Keras loss already runs TF's native fused kernel): its
+`SparseCategoricalCrossentropy(from_logits=True)` (the language-model loss) is fused: its
 forward pass keeps only the logits it was given (in their own dtype, e.g. bfloat16) and one
 log-sum-exp per row, and its backward pass writes the gradient `softmax - one_hot` straight
 in the logits' dtype. Keras' version up-casts the logits to a float32 copy and keeps float32
-softmax-sized intermediates for the backward pass: at a 32768-token vocabulary and 16384
-tokens per step that is about 4 GiB more peak memory (`benchmarks/xla_memory.py`).
+softmax-sized intermediates for the backward pass: for issue 8's GPT (16384 tokens x 32768
+classes) XLA assigns 3.06 GiB of temporaries to projection + loss + gradients instead of
+6.06 GiB (`benchmarks/xla_memory.py --logits`). On TensorFlow the class keeps Keras'
+computation (TF's native fused kernel, in float32), which needs less host memory there.
 
 Example:
 
@@ -85,6 +86,13 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
     if ignore_class is not None:
         valid = ops.not_equal(labels, ignore_class)
         labels = ops.where(valid, labels, 0)
+    losses = _fused(labels, logits, valid)
+    if valid is not None:
+        set_keras_mask(losses, mask=valid)
+    return losses
+
+
+def _fused(labels, logits, valid):
     classes = logits.shape[-1]
     target = ops.expand_dims(labels, -1)
 
@@ -112,10 +120,7 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
 
         return losses, grad
 
-    losses = fused(logits)
-    if valid is not None:
-        set_keras_mask(losses, mask=valid)
-    return losses
+    return fused(logits)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -125,8 +130,8 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
     With `from_logits=True` and the class axis last, the loss is fused
     (`sparse_categorical_crossentropy_from_logits`): the logits are not copied to float32 and
     the gradient comes back in their own dtype, so a bfloat16 logits head costs no float32
-    logits-sized memory under XLA. Otherwise, and on TensorFlow (TF's native fused
-    sparse-softmax kernel), it is Keras' computation on float32 inputs.
+    logits-sized memory under XLA. Otherwise, and on TensorFlow (TF's native fused kernel),
+    it is Keras' computation on float32 inputs.
 
     Args:
         from_logits: Whether `y_pred` holds logits (recommended) or probabilities.
@@ -173,9 +178,9 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
         rank = len(getattr(y_pred, "shape", ()))
         fused = self.from_logits and rank >= 1 and self.axis in (-1, rank - 1)
         if not fused or keras.backend.backend() == "tensorflow":
-            # TensorFlow: Keras calls TF's native fused sparse-softmax kernel, which needs
-            # less host memory without XLA than the custom gradient (measured: 1.29 vs 1.45
-            # GiB peak RSS on the cpu_gpt benchmark) and is as fast.
+            # TensorFlow: Keras' loss runs TF's native fused kernel. Measured on the cpu_gpt
+            # benchmark without XLA, the custom-gradient loss was as fast but raised the peak
+            # host memory (1.45-1.55 vs 1.29 GiB RSS), so TF keeps Keras' kernel.
             return super().__call__(y_true, y_pred, sample_weight=sample_weight)
         # Keras' Loss.__call__ without its float32 copy of y_pred (the fused loss up-casts
         # inside, and keeps the logits in their own dtype for the backward pass).
