@@ -10,8 +10,9 @@
 #     RESNET_POLICIES=float32,keras_mp_mixed_bfloat16 STEPS=2 bash benchmarks/gpu_h200.sh
 #
 # Order = priority: the GPT workload under every policy (one harness invocation, so the
-# speedups vs float32 and vs stock Keras are side by side), then ResNet-50, then the PyTorch
-# AMP anchor (torch.compile, bf16). Each harness invocation starts no configuration once its
+# speedups vs float32 and vs stock Keras are side by side; stock_mixed_float16_kmp_scaler is
+# stock FP16 with keras_mp's loss scaler: the scaler's own cost), then ResNet-50, then the
+# PyTorch AMP anchor (torch.compile, bf16), then the compile-only logits-memory analysis. Each harness invocation starts no configuration once its
 # --budget is spent; TOTAL_BUDGET (seconds) bounds the whole script.
 set -u
 OUT=${OUT:-runs/gpu}
@@ -27,7 +28,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"   # keras_mp from this worki
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 GPT_MODEL=${GPT_MODEL:-gpt}
 RESNET_MODEL=${RESNET_MODEL:-resnet50}
-GPT_POLICIES=${GPT_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,stock_mixed_float16,keras_mp_mixed_float16,keras_mp_float8,float32_strict}
+GPT_POLICIES=${GPT_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,stock_mixed_float16,stock_mixed_float16_kmp_scaler,keras_mp_mixed_float16,keras_mp_float8,float32_strict}
 RESNET_POLICIES=${RESNET_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,stock_mixed_float16,keras_mp_mixed_float16}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-2}
@@ -58,5 +59,11 @@ if [ "$(left)" -gt 60 ] && $PY -c "import torch; assert torch.cuda.is_available(
     --steps "$STEPS" 2>&1 | grep '^RESULT ' | sed 's/^RESULT //' | tee -a "$OUT/torch.jsonl"
 else
   echo "torch anchor skipped: $(left) s left or no CUDA torch" | tee -a "$OUT/log.txt"
+fi
+# Compile-only XLA:GPU buffer assignment of the logits region (projection + loss + grads at
+# the GPT size: stock bf16 + Keras loss, FP32 head, keras_mp fused loss): seconds, no run.
+if [ "$(left)" -gt 30 ]; then
+  timeout "$(left)" $PY benchmarks/xla_memory.py --models "$GPT_MODEL" --logits --no-steps \
+    --out "$OUT/xla_memory.jsonl" 2>&1 | grep '^{' | tee -a "$OUT/log.txt"
 fi
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/log.txt"
