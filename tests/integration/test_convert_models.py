@@ -122,3 +122,38 @@ def test_convert_transformer_mixed_float16_trains_with_loss_scaling():
     x, y = _data()
     losses = converted.fit(x, y, batch_size=16, epochs=3, verbose=0).history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.9 * losses[0]
+
+
+def _language_model_losses(policy):
+    """Four epochs of a 1-layer GPT (vocab 512) learning y = (7x + 3) mod 512, per-epoch loss."""
+    from keras_mp.cli.workloads import GPT
+
+    gpt = GPT(batch=8, seq=32, d_model=64, heads=4, layers=1, ffn=128, vocab=512)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 512, (256, 32)).astype("int32")
+    keras.utils.set_random_seed(0)
+    model = gpt.build(keras)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.Adam(3e-3)
+    if policy != "float32":
+        model = kmp.convert(model, policy)
+        assert model.get_layer("head").compute_dtype == kmp.Policy(policy).compute_dtype
+        loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if policy == "mixed_float16":
+            optimizer = kmp.LossScaleOptimizer(optimizer)
+    model.compile(optimizer, loss, jit_compile=True)
+    history = model.fit(x, (x * 7 + 3) % 512, batch_size=32, epochs=4, verbose=0, shuffle=False)
+    return np.array(history.history["loss"])
+
+
+def test_language_model_with_low_precision_head_trains_like_float32():
+    """The default recipe (logits projection in the compute dtype, fused FP32 loss, FP32
+    attention softmax) follows the FP32 loss curve: measured max |difference| 0.0005 (TF) /
+    0.0018 (JAX) over four epochs falling from 6.06 to 2.75; FP16 (TF) 0.0001."""
+    reference = _language_model_losses("float32")
+    assert reference[-1] < 0.5 * reference[0]  # it learns
+    policies = ["mixed_bfloat16"]
+    if keras.backend.backend() == "tensorflow":  # JAX on CPU has no float16 dot
+        policies.append("mixed_float16")
+    for policy in policies:
+        np.testing.assert_allclose(_language_model_losses(policy), reference, atol=0.01)
