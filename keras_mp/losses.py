@@ -178,9 +178,9 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
         rank = len(getattr(y_pred, "shape", ()))
         fused = self.from_logits and rank >= 1 and self.axis in (-1, rank - 1)
         if not fused or keras.backend.backend() == "tensorflow":
-            # TensorFlow: Keras' loss runs TF's native fused kernel. Measured on the cpu_gpt
-            # benchmark without XLA, the custom-gradient loss was as fast but raised the peak
-            # host memory (1.45-1.55 vs 1.29 GiB RSS), so TF keeps Keras' kernel.
+            # TensorFlow: Keras' loss runs TF's native fused kernel. In Keras' TF train step a
+            # custom-gradient (or nested-XLA) loss raised peak host memory on the cpu_gpt
+            # benchmark (1.41-1.55 vs 1.29 GiB RSS; benchmarks/BENCHMARKS.md section 5).
             return super().__call__(y_true, y_pred, sample_weight=sample_weight)
         # Keras' Loss.__call__ without its float32 copy of y_pred (the fused loss up-casts
         # inside, and keeps the logits in their own dtype for the backward pass).
