@@ -52,11 +52,14 @@ kmp.set_global_policy(POLICY)  # layers created from here on compute in the low 
 inputs = keras.Input((LENGTH,), dtype="int32")
 h = PositionEmbedding()(keras.layers.Embedding(VOCAB, DIM)(inputs))
 attention = kmp_layers.MultiHeadAttention(num_heads=4, key_dim=DIM // 4, dropout=0.1)
-h = keras.layers.LayerNormalization(dtype="float32")(h + attention(h, h))
+# Keras' LayerNormalization takes its statistics in float32 itself: no dtype= needed.
+h = keras.layers.LayerNormalization()(h + attention(h, h))
 ffn = keras.layers.Dense(DIM)(keras.layers.Dense(4 * DIM, activation="relu")(h))
-h = keras.layers.LayerNormalization(dtype="float32")(h + ffn)
+h = keras.layers.LayerNormalization()(h + ffn)
 h = keras.layers.GlobalAveragePooling1D()(h)
-logits = keras.layers.Dense(CLASSES, dtype="float32", name="logits")(h)  # FP32 logits
+# The logits projection stays in the compute dtype (tensor cores); the loss below takes
+# the log-softmax in float32 (kmp.convert makes the same choice for a linear output layer).
+logits = keras.layers.Dense(CLASSES, name="logits")(h)
 model = keras.Model(inputs, logits)
 
 softmax = attention._softmax
