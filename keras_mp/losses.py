@@ -86,13 +86,6 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
     if ignore_class is not None:
         valid = ops.not_equal(labels, ignore_class)
         labels = ops.where(valid, labels, 0)
-    losses = _fused(labels, logits, valid)
-    if valid is not None:
-        set_keras_mask(losses, mask=valid)
-    return losses
-
-
-def _fused(labels, logits, valid):
     classes = logits.shape[-1]
     target = ops.expand_dims(labels, -1)
 
@@ -120,7 +113,10 @@ def _fused(labels, logits, valid):
 
         return losses, grad
 
-    return fused(logits)
+    losses = fused(logits)
+    if valid is not None:
+        set_keras_mask(losses, mask=valid)
+    return losses
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
