@@ -14,8 +14,9 @@ log-sum-exp per row, and its backward pass writes the gradient `softmax - one_ho
 in the logits' dtype. Keras' version up-casts the logits to a float32 copy and keeps float32
 softmax-sized intermediates for the backward pass: for issue 8's GPT (16384 tokens x 32768
 classes) XLA assigns 3.06 GiB of temporaries to projection + loss + gradients instead of
-6.06 GiB (`benchmarks/xla_memory.py --logits`). On TensorFlow the class keeps Keras'
-computation (TF's native fused kernel, in float32), which needs less host memory there.
+6.06 GiB (`benchmarks/xla_memory.py --logits`). On TensorFlow the same loss runs chunk by
+chunk on oneDNN's softmax (`keras_mp.tf.losses`): on the `cpu_gpt` benchmark the bfloat16
+step is 1.11-1.14x faster than with Keras' loss (TF's native kernel) and needs less memory.
 
 Example:
 
@@ -86,6 +87,23 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
     if ignore_class is not None:
         valid = ops.not_equal(labels, ignore_class)
         labels = ops.where(valid, labels, 0)
+    if keras.backend.backend() == "tensorflow" and not _tf_losses().compiling_with_xla():
+        losses = _tf_losses().sparse_xent_from_logits(labels, logits, valid)
+    else:
+        losses = _fused_xla(labels, logits, valid)
+    if valid is not None:
+        set_keras_mask(losses, mask=valid)
+    return losses
+
+
+def _tf_losses():
+    from keras_mp.tf import losses as tf_losses
+
+    return tf_losses
+
+
+def _fused_xla(labels, logits, valid):
+    """The fused loss in `keras.ops` (compiled whole by XLA on JAX; also the reference)."""
     classes = logits.shape[-1]
     target = ops.expand_dims(labels, -1)
 
@@ -113,10 +131,7 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
 
         return losses, grad
 
-    losses = fused(logits)
-    if valid is not None:
-        set_keras_mask(losses, mask=valid)
-    return losses
+    return fused(logits)
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -126,8 +141,7 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
     With `from_logits=True` and the class axis last, the loss is fused
     (`sparse_categorical_crossentropy_from_logits`): the logits are not copied to float32 and
     the gradient comes back in their own dtype, so a bfloat16 logits head costs no float32
-    logits-sized memory under XLA. Otherwise, and on TensorFlow (TF's native fused kernel),
-    it is Keras' computation on float32 inputs.
+    logits-sized memory. Otherwise it is Keras' computation on float32 inputs.
 
     Args:
         from_logits: Whether `y_pred` holds logits (recommended) or probabilities.
@@ -173,10 +187,7 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
     def __call__(self, y_true, y_pred, sample_weight=None):
         rank = len(getattr(y_pred, "shape", ()))
         fused = self.from_logits and rank >= 1 and self.axis in (-1, rank - 1)
-        if not fused or keras.backend.backend() == "tensorflow":
-            # TensorFlow: Keras' loss runs TF's native fused kernel. In Keras' TF train step a
-            # custom-gradient (or nested-XLA) loss raised peak host memory on the cpu_gpt
-            # benchmark (1.41-1.55 vs 1.29 GiB RSS; benchmarks/BENCHMARKS.md section 5).
+        if not fused:
             return super().__call__(y_true, y_pred, sample_weight=sample_weight)
         # Keras' Loss.__call__ without its float32 copy of y_pred (the fused loss up-casts
         # inside, and keeps the logits in their own dtype for the backward pass).

@@ -196,3 +196,28 @@ def test_xla_memory_script_compiles_without_running(tmp_path, capsys):
     assert logits["keras_mp"]["temp_bytes"] < logits["stock"]["temp_bytes"]
     assert [r["policy"] for r in steps] == ["stock_mixed_bfloat16", "keras_mp_mixed_bfloat16"]
     assert all(r["xla_flops"] > 0 and r["argument_bytes"] > 0 for r in steps)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's profiler")
+def test_tf_profile_script_reads_ops_and_allocator_peak(capsys):
+    """benchmarks/tf_profile.py at test size: one record per policy with TF's allocator peak
+    and the op types of the profiled steps; the keras_mp step runs the chunked oneDNN loss
+    (softmax, no SparseSoftmaxCrossEntropyWithLogits), the stock step TF's native kernel."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "tf_profile.py"
+    spec = importlib.util.spec_from_file_location("tf_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--models", "tiny_gpt", "--policies", "stock_mixed_bfloat16,keras_mp_mixed_bfloat16",
+            "--steps", "2", "--warmup", "1", "--top", "100"]
+    assert module.main(argv) == 0
+    stock, ours = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert (stock["policy"], ours["policy"]) == ("stock_mixed_bfloat16", "keras_mp_mixed_bfloat16")
+    for record in (stock, ours):
+        assert record["step_ms_median"] > 0 and record["host_rss_peak_gib"] > 0.1
+        assert max(record["tensor_peak_mib"].values()) > 0
+    assert "SparseSoftmaxCrossEntropyWithLogits" in stock["top_ops_ms_per_step"]
+    assert "SparseSoftmaxCrossEntropyWithLogits" not in ours["top_ops_ms_per_step"]
+    assert any("Softmax" in op for op in ours["top_ops_ms_per_step"])

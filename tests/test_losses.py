@@ -214,8 +214,8 @@ def _fused_sum(z):
 def test_fused_sparse_gradient_matches_float64_reference(dtype, api):
     """Loss and gradient against float64 numpy: the gradient (softmax - one_hot, zero at the
     ignored class, times the sample weight) comes back in the logits' dtype, within float32
-    rounding, or one bfloat16 ulp of |g| <= 1 (2^-8) for bfloat16 logits. The function is
-    the fused one on every backend; the class uses it except on TensorFlow."""
+    rounding, or one bfloat16 ulp of |g| <= 1 (2^-8) for bfloat16 logits. Both run the fused
+    loss (on TensorFlow the chunked oneDNN version, on JAX the XLA one)."""
     logits = ops.cast(SEQ_LOGITS, dtype)
     exact_logits = ops.convert_to_numpy(ops.cast(logits, "float32")).astype(np.float64)
     loss = losses.SparseCategoricalCrossentropy(
@@ -280,3 +280,93 @@ def test_fused_sparse_follows_keras_on_a_masked_sequence_model():
     stock = history(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert ours[-1] < ours[0]
     np.testing.assert_allclose(ours, stock, atol=1e-3)  # measured (JAX): <= 1e-4
+
+
+# --- TensorFlow: the chunked kernel (keras_mp.tf.losses) --------------------------------
+
+
+def _chunked_case(dtype, rows, classes=300, seed=1):
+    rng = np.random.default_rng(seed)
+    z = (rng.standard_normal((rows, classes)) * 8).astype(np.float32)
+    y = rng.integers(0, classes, rows).astype(np.int32)
+    z[0] = -50.0
+    z[0, 3] = 60.0  # row 0: the label's probability, exp(-110), underflows float32
+    y[0] = 4
+    import tensorflow as tf
+
+    z = tf.cast(z, dtype)
+    z64 = tf.cast(z, "float64").numpy()
+    top = z64.max(-1)
+    lse = np.log(np.exp(z64 - top[:, None]).sum(-1)) + top
+    weights = rng.random(rows)
+    grad = (np.exp(z64 - lse[:, None]) - np.eye(classes)[y]) * weights[:, None]
+    return z, y, weights, lse - z64[np.arange(rows), y], grad
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow kernel")
+@pytest.mark.parametrize("mode", ["eager", "graph_unknown_rows", "xla"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tf_chunked_loss_matches_float64_over_many_chunks(mode, dtype):
+    """22 rows in chunks of 3 (8 chunks, the last one padded), in eager mode, in a graph that
+    does not know the row count, and under XLA: float32 losses within 1e-6 of float64 (also
+    where the label's probability underflows: loss 110, gradient -weight at the label), the
+    gradient in the logits' dtype within float32 rounding or one bfloat16 ulp of |g| <= 1."""
+    import tensorflow as tf
+
+    from keras_mp.tf.losses import sparse_xent_from_logits
+
+    z, y, weights, want, want_grad = _chunked_case(dtype, rows=22)
+    weights_t = tf.constant(weights, "float32")
+
+    def value_and_grad(z, y):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            per_row = sparse_xent_from_logits(y, z, chunk_elements=1000)  # 3 rows a chunk
+            total = tf.reduce_sum(per_row * weights_t)
+        return per_row, tape.gradient(total, z)
+
+    if mode == "graph_unknown_rows":
+        spec = [tf.TensorSpec([None, 300], dtype), tf.TensorSpec([None], "int32")]
+        value_and_grad = tf.function(value_and_grad, input_signature=spec)
+    elif mode == "xla":
+        value_and_grad = tf.function(value_and_grad, jit_compile=True)
+    per_row, grad = value_and_grad(z, tf.constant(y))
+    assert per_row.dtype == "float32" and grad.dtype == dtype
+    np.testing.assert_allclose(per_row.numpy(), want, rtol=1e-6, atol=1e-6)
+    assert abs(want[0] - 110.0) < 1e-3
+    grad = tf.cast(grad, "float64").numpy()
+    np.testing.assert_allclose(grad, want_grad, atol=1e-6 if dtype == "float32" else 2**-8)
+    assert grad[0, 4] == pytest.approx(-weights[0], rel=2**-8)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow kernel")
+def test_tf_loss_takes_the_xla_formulation_inside_jit_compile():
+    """Inside `jit_compile=True` the loss is the keras.ops formulation (XLA fuses it whole),
+    outside it the chunked loop; both give the same value."""
+    import tensorflow as tf
+
+    from keras_mp.tf.losses import compiling_with_xla
+
+    seen = []
+
+    def probe(z):
+        seen.append(compiling_with_xla())
+        return losses.sparse_categorical_crossentropy_from_logits(SEQ_LABELS, z)
+
+    eager = probe(tf.constant(SEQ_LOGITS))
+    xla = tf.function(probe, jit_compile=True)(tf.constant(SEQ_LOGITS))
+    graph = tf.function(probe)(tf.constant(SEQ_LOGITS))
+    assert seen == [False, True, False]
+    np.testing.assert_allclose(xla.numpy(), eager.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(graph.numpy(), eager.numpy(), rtol=1e-6)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow kernel")
+def test_tf_chunked_loss_rejects_unknown_class_count():
+    import tensorflow as tf
+
+    from keras_mp.tf.losses import sparse_xent_from_logits
+
+    spec = [tf.TensorSpec([4], "int32"), tf.TensorSpec([4, None])]  # (labels, logits)
+    with pytest.raises(ValueError, match="class axis of the logits must have a known size"):
+        tf.function(sparse_xent_from_logits, input_signature=spec).get_concrete_function()

@@ -1,0 +1,153 @@
+"""Where a TensorFlow train step spends its time and memory, from TF's own profiler.
+
+Host RSS (what `keras_mp.cli.benchmark` reports on CPUs) mixes tensors with libraries, graphs
+and memory the C allocator keeps; this script reads TensorFlow's allocator instead: it runs
+a workload's train steps under `tf.profiler`, then prints one JSON line per configuration
+with the median step time, the allocator's peak bytes in use during the profiled steps
+(tensors only), host RSS, and the op types that took the most time (summed over TF's
+threads, per step). Each configuration runs in its own process, like the harness.
+
+    python benchmarks/tf_profile.py --models cpu_gpt \
+        --policies stock_mixed_bfloat16@nojit,keras_mp_mixed_bfloat16@nojit
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+MIB = 2**20
+_CONTAINERS = {"Process", "StartRegion", "StopRegion", "Record", "ExecutorDoneCallback"}
+
+
+def _read_trace(logdir: str, steps: int):
+    """(peak allocator bytes per allocator, {op type: (ms per step, count per step)})."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    peaks, times, counts = collections.Counter(), collections.Counter(), collections.Counter()
+    for plane in space.planes:
+        names, stat_names = plane.event_metadata, plane.stat_metadata
+        for line in plane.lines:
+            for event in line.events:
+                name = names[event.metadata_id].name
+                if name == "MemoryAllocation" or name == "MemoryDeallocation":
+                    stats = {stat_names[s.metadata_id].name: s for s in event.stats}
+                    allocator = stats["allocator_name"]
+                    allocator = (
+                        stat_names[allocator.ref_value].name
+                        if allocator.ref_value
+                        else allocator.str_value
+                    )
+                    in_use = stats["bytes_allocated"].int64_value
+                    peaks[allocator] = max(peaks[allocator], in_use)
+                elif (
+                    line.name.startswith("tf_Compute")
+                    and name.rpartition(":")[2] not in _CONTAINERS
+                ):
+                    op = name.rpartition(":")[2]
+                    times[op] += event.duration_ps / 1e9 / steps
+                    counts[op] += 1 / steps
+    ops = {op: (round(ms, 2), round(counts[op])) for op, ms in times.most_common()}
+    return dict(peaks), ops
+
+
+def profile_one(
+    model_name: str, policy: str, steps: int, warmup: int, batch: int, top: int
+) -> dict:
+    """Profiles one configuration in this process; returns its JSON record."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_mp.cli import measure
+    from keras_mp.cli.workloads import WORKLOADS
+
+    policy, _, suffix = policy.partition("@")
+    workload = WORKLOADS[model_name]
+    if batch:
+        workload = dataclasses.replace(workload, batch=batch)
+    jit = {"jit": True, "nojit": False}.get(
+        suffix, measure.default_jit(policy, "tensorflow", False)
+    )
+    previous = keras.config.dtype_policy()
+    try:
+        model = measure._compiled_model(workload, policy, jit, None)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    x, y = (keras.ops.convert_to_tensor(a) for a in workload.data(np.random.default_rng(0)))
+    for _ in range(1 + warmup):
+        model.train_on_batch(x, y)
+    times = []
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        for _ in range(steps):
+            start = time.perf_counter()
+            model.train_on_batch(x, y)
+            times.append(time.perf_counter() - start)
+        tf.profiler.experimental.stop()
+        peaks, ops = _read_trace(logdir, steps)
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / MIB
+    return {
+        "model": model_name,
+        "policy": policy,
+        "jit_compile": jit,
+        "batch": workload.batch,
+        "step_ms_median": round(statistics.median(times) * 1e3, 1),
+        "tensor_peak_mib": {k: round(v / MIB, 1) for k, v in peaks.items()},
+        "host_rss_peak_gib": round(rss, 3),
+        "top_ops_ms_per_step": dict(list(ops.items())[:top]),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="cpu_gpt")
+    parser.add_argument(
+        "--policies", default="stock_mixed_bfloat16@nojit,keras_mp_mixed_bfloat16@nojit"
+    )
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=0, help="override the workload's batch")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        record = profile_one(
+            args.models, args.policies, args.steps, args.warmup, args.batch, args.top
+        )
+        print("RESULT " + json.dumps(record), flush=True)
+        return 0
+    status = 0
+    for model in args.models.split(","):
+        for policy in args.policies.split(","):
+            cmd = [sys.executable, __file__, "--one", "--models", model, "--policies", policy]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--batch", str(args.batch), "--top", str(args.top)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if not lines:
+                status = 1
+                lines = [
+                    json.dumps({"model": model, "policy": policy, "error": done.stderr[-800:]})
+                ]
+            print(lines[0], flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
