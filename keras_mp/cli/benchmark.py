@@ -135,7 +135,9 @@ def _table(rows: list) -> str:
         lines.append(
             f"| {r['model']} | {r['policy']} | {'on' if r['jit_compile'] else 'off'} | "
             f"{r['step_ms_median']:.1f} | {r['units_per_s']:.0f} | {r['tflops']:.3g} | "
-            f"{r['peak_mem_gib']:.2f} ({'RSS' if r['peak_mem_kind'] == 'host_rss' else 'dev'})"
+            f"{r['peak_mem_gib']:.2f} ({'RSS' if r['peak_mem_kind'] == 'host_rss' else 'dev'}"
+            + (f"; tensors {r['tensor_peak_mib'] / 1024:.2f}" if "tensor_peak_mib" in r else "")
+            + ")"
             f" | {_fmt(r['speedup_vs_fp32'])} | {_fmt(r['speedup_vs_best_fp32'])} | "
             f"{_fmt(r.get('speedup_vs_stock'))} |"
         )

@@ -120,6 +120,21 @@ def _cpu_model() -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
+def _tf_cpu_tensor_peak(backend: str, reset: bool = False) -> int | None:
+    """TensorFlow on CPU: the allocator's peak bytes in use (tensors only, unlike RSS) since
+    the last reset; `reset=True` starts a new window. None elsewhere or if unsupported."""
+    if backend != "tensorflow" or _on_gpu(backend):
+        return None
+    import tensorflow as tf
+
+    try:
+        if reset:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+        return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    except (ValueError, RuntimeError):
+        return None
+
+
 def _on_gpu(backend: str) -> bool:
     if backend == "jax":
         import jax
@@ -222,7 +237,8 @@ def run_one(
 
     Returns:
         A dict: model, policy, backend, device, jit_compile, compile_s, step_ms_median,
-        step_ms_min, units, units_per_s, tflops, peak_mem_gib, peak_mem_kind, loss, ...
+        step_ms_min, units, units_per_s, tflops, peak_mem_gib, peak_mem_kind, loss, ...;
+        on TensorFlow/CPU also tensor_peak_mib (TF's allocator, over the timed steps).
     """
     _names("model", model_name, WORKLOADS)
     _names("policy", policy, POLICIES)
@@ -254,12 +270,14 @@ def run_one(
         compile_s = time.perf_counter() - start
         for _ in range(warmup):
             model.train_on_batch(x, y)
+        tensor_peak = _tf_cpu_tensor_peak(backend, reset=True)
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             loss = model.train_on_batch(x, y)
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
+    tensor_peak = _tf_cpu_tensor_peak(backend) if tensor_peak is not None else None
     device, peak, peak_kind = _device_and_memory(backend)
     record = {
         "model": model_name,
@@ -284,6 +302,8 @@ def run_one(
         "backend_version": _backend_version(backend),
         "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
     }
+    if tensor_peak is not None:
+        record["tensor_peak_mib"] = round(tensor_peak / 2**20, 1)
     if intra_op or inter_op:
         record["threads"] = {"intra_op": intra_op, "inter_op": inter_op}
     if policy.startswith("keras_mp_"):
