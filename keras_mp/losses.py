@@ -16,7 +16,7 @@ softmax-sized intermediates for the backward pass: for issue 8's GPT (16384 toke
 classes) XLA assigns 3.06 GiB of temporaries to projection + loss + gradients instead of
 6.06 GiB (`benchmarks/xla_memory.py --logits`). On TensorFlow the same loss runs chunk by
 chunk on oneDNN's softmax (`keras_mp.tf.losses`): on the `cpu_gpt` benchmark the bfloat16
-step is 1.11-1.14x faster than with Keras' loss (TF's native kernel) and needs less memory.
+step is 1.14-1.19x faster than with Keras' loss (TF's native kernel) and needs less memory.
 
 Example:
 

@@ -6,8 +6,8 @@ logits), where oneDNN's softmax over the same logits takes 9 ms. It also compute
 float32 gradient in the forward pass and keeps it until the backward pass. This version:
 
 - up-casts and takes oneDNN's float32 softmax over row chunks of about `chunk_elements`
-  values (a `tf.while_loop`), so the float32 temporaries are one chunk at a time, not the
-  whole logits tensor;
+  values (a `tf.while_loop` running two chunks at a time), so the float32 temporaries are
+  those of two chunks, not of the whole logits tensor;
 - keeps only the logits (in their own dtype) and two float32 numbers per row (the
   log-sum-exp and the label's logit) for the backward pass;
 - recomputes the softmax chunk by chunk in the backward pass and writes the gradient
@@ -19,9 +19,9 @@ The log-sum-exp needs no second pass over the logits: at a row's maximum `m` the
 float32 rounding), also where the label's probability underflows.
 
 Measured on the `cpu_gpt` benchmark (BENCHMARKS.md section 6; TF allocator peaks from
-`benchmarks/tf_profile.py`): the keras_mp bfloat16 step 1.11-1.14x faster than stock Keras'
-bfloat16 step, with less memory: tensor peak 369 vs 403 MiB at batch 8, 913 vs 950 MiB at
-batch 24 (host RSS 1.26-1.28 vs 1.28-1.29 GiB at batch 8). Under `jit_compile=True` the
+`get_memory_info`): the keras_mp bfloat16 step 1.14-1.19x faster than stock Keras' bfloat16
+step, with less memory: tensor peak 367-374 vs 382-386 MiB at batch 8, 902 vs 958 MiB at
+batch 24 (host RSS 1.27-1.28 vs 1.28-1.30 GiB at batch 8). Under `jit_compile=True` the
 public loss takes the `keras.ops` formulation instead (`compiling_with_xla`).
 
 Example:
@@ -57,7 +57,7 @@ def compiling_with_xla() -> bool:
 
 def _chunked(fn, dtype, tail, rows, chunks, *tensors):
     """`concat([fn(*(t[i*rows:(i+1)*rows] for t in tensors)) for i in range(chunks)])`,
-    one chunk at a time; every tensor has `rows * chunks` rows (XLA: static chunk shapes),
+    two chunks at a time; every tensor has `rows * chunks` rows (XLA: static chunk shapes),
     and `fn` returns rows of shape `tail`."""
     import tensorflow as tf
 
@@ -70,6 +70,8 @@ def _chunked(fn, dtype, tail, rows, chunks, *tensors):
         return i + 1, out.write(i, fn(*parts))
 
     out = tf.TensorArray(dtype, size=chunks, infer_shape=False)
+    # Two iterations at once: 7% faster cpu_gpt steps than one (two oneDNN softmaxes in
+    # flight), +10-15 MiB of tensor peak (BENCHMARKS.md section 6).
     _, out = tf.while_loop(
         lambda i, _: i < chunks, body, (tf.constant(0), out), parallel_iterations=2
     )
