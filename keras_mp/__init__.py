@@ -15,7 +15,7 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 """
 
 # `audit` is the function: it is bound after the module of the same name is imported.
-from keras_mp import callbacks, float8, formats, hardware, layers, losses, saving
+from keras_mp import activations, callbacks, float8, formats, hardware, layers, losses, saving
 from keras_mp.audit import AuditReport, audit
 from keras_mp.callbacks import LossScaleCollapseError
 from keras_mp.loss_scale import LossScaleOptimizer
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LossScaleOptimizer",
+    "activations",
     "formats",
     "layers",
     "losses",

@@ -13,7 +13,7 @@ __all__ = ["convert_model"]
 
 
 def _swaps(policy: Policy) -> dict:
-    """Stock classes replaced by their keras_mp FP32-softmax versions, where available."""
+    """Stock classes replaced by their keras_mp versions (FP32 softmax, fused layer norm)."""
     if not policy.is_low_precision:
         return {}
     try:
@@ -25,7 +25,21 @@ def _swaps(policy: Policy) -> dict:
         swaps[keras.layers.MultiHeadAttention] = kmp_layers.MultiHeadAttention
     if "softmax" in policy.keep_fp32 and hasattr(kmp_layers, "Softmax"):
         swaps[keras.layers.Softmax] = kmp_layers.Softmax
+    if "normalization" in policy.keep_fp32 and hasattr(kmp_layers, "LayerNormalization"):
+        swaps[keras.layers.LayerNormalization] = kmp_layers.LayerNormalization
     return swaps
+
+
+def _fast_activations(model: keras.Model, policy: Policy) -> None:
+    """Gives layers whose activation is Keras' GELU `keras_mp.activations.gelu` (same math;
+    on TensorFlow outside XLA a float32-math kernel for low-precision tensors)."""
+    if not policy.is_low_precision:
+        return
+    from keras_mp.activations import gelu
+
+    for layer in model._flatten_layers(include_self=False):
+        if getattr(layer, "activation", None) is keras.activations.gelu:
+            layer.activation = gelu
 
 
 def _pairs(orig, new, swaps: dict):
@@ -158,5 +172,6 @@ def convert_model(model: keras.Model, policy: Policy) -> keras.Model:
     finally:
         keras.config.set_dtype_policy(previous)
     _pin(_pairs(model, new, swaps), policy, outputs, built=True)
+    _fast_activations(new, policy)
     _copy_weights(model, new)
     return new

@@ -10,6 +10,9 @@
   axis) runs in float32, with probabilities cast back to the compute dtype for the value
   matmul. The fused `ops.dot_product_attention` path that Keras takes otherwise is kept
   unchanged: its TensorFlow and JAX implementations already take the softmax in float32.
+* `LayerNormalization` is `keras.layers.LayerNormalization` (float32 statistics already)
+  with a fused TensorFlow kernel for float16/bfloat16 inputs: forward and backward as one
+  XLA cluster each, less kept for the backward pass.
 
 Example:
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-__all__ = ["Float32", "MultiHeadAttention", "Softmax"]
+__all__ = ["Float32", "LayerNormalization", "MultiHeadAttention", "Softmax"]
 
 _FLOAT32 = "float32"
 _OUTPUT_DTYPES = (None, _FLOAT32)
@@ -227,4 +230,56 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         self._tracker.untrack(stock_softmax)
         self._softmax = Softmax(
             axis=stock_softmax.axis, dtype=self.dtype_policy, name=stock_softmax.name
+        )
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class LayerNormalization(keras.layers.LayerNormalization):
+    """`keras.layers.LayerNormalization` with a fused TensorFlow kernel for low precision.
+
+    Same arguments, weights, config and math as the Keras layer (float32 statistics, output
+    in the compute dtype). On TensorFlow outside XLA, for a float16/bfloat16 input
+    normalised over its last axis, it runs `keras_mp.tf.normalization`: forward and backward
+    as one XLA cluster each, keeping only the input and two float32 numbers per row for the
+    backward pass (Keras' layer keeps float32 copies of the input and of its normalised
+    values). Everywhere else it is Keras' layer. `keras_mp.convert` uses it for Keras'
+    `LayerNormalization` under the `"normalization"` keep-list entry.
+
+    Args:
+        **kwargs: The arguments of `keras.layers.LayerNormalization` (`axis`, `epsilon`,
+            `center`, `scale`, initializers, regularizers, constraints, `dtype`, ...).
+
+    Returns:
+        The normalised input, in the layer's compute dtype.
+
+    Example:
+
+    ```python
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    y = kmp.layers.LayerNormalization()(x)     # bfloat16 out, float32 statistics
+    ```
+    """
+
+    def _uses_tf_kernel(self, inputs) -> bool:
+        if keras.backend.backend() != "tensorflow" or self.rms_scaling:
+            return False
+        if self.compute_dtype not in ("float16", "bfloat16"):
+            return False
+        rank = len(inputs.shape)
+        if [a % rank for a in self.axis] != [rank - 1]:
+            return False
+        from keras_mp.tf.xla import compiling_with_xla
+
+        return not compiling_with_xla()
+
+    def call(self, inputs):
+        if not self._uses_tf_kernel(inputs):
+            return super().call(inputs)
+        from keras_mp.tf.normalization import layer_norm_float32_math
+
+        return layer_norm_float32_math(
+            ops.cast(inputs, self.compute_dtype),
+            None if self.gamma is None else self.gamma.value,
+            None if self.beta is None else self.beta.value,
+            self.epsilon,
         )

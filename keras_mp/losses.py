@@ -87,8 +87,9 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
     if ignore_class is not None:
         valid = ops.not_equal(labels, ignore_class)
         labels = ops.where(valid, labels, 0)
-    if keras.backend.backend() == "tensorflow" and not _tf_losses().compiling_with_xla():
-        losses = _tf_losses().sparse_xent_from_logits(labels, logits, valid)
+    tf_losses = _tf_losses()
+    if tf_losses is not None and not tf_losses.compiling_with_xla():
+        losses = tf_losses.sparse_xent_from_logits(labels, logits, valid)
     else:
         losses = _fused_xla(labels, logits, valid)
     if valid is not None:
@@ -97,6 +98,9 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
 
 
 def _tf_losses():
+    """`keras_mp.tf.losses` on the TensorFlow backend, else None."""
+    if keras.backend.backend() != "tensorflow":
+        return None
     from keras_mp.tf import losses as tf_losses
 
     return tf_losses

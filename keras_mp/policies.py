@@ -105,8 +105,10 @@ them under pure float16/bfloat16. To pin the logits projection too, add its name
 `"normalization"` asks for FP32 statistics, which Keras' own BatchNormalization,
 LayerNormalization, GroupNormalization and RMSNormalization already compute internally:
 under the mixed policies they stay in the compute dtype (pinning them whole would only add
-FP32 activations and casts). To run a whole normalization layer in FP32
-anyway, add its class name, e.g. `DEFAULT_KEEP_FP32 + ("LayerNormalization",)`.
+FP32 activations and casts); `convert` rebuilds Keras' LayerNormalization as
+`keras_mp.layers.LayerNormalization` (the same math, with a fused TensorFlow kernel for
+low-precision inputs). To run a whole normalization layer in FP32 anyway, add its class
+name, e.g. `DEFAULT_KEEP_FP32 + ("LayerNormalization",)`.
 
 Extend with `DEFAULT_KEEP_FP32 + ("*head*",)`; remove entries by value, e.g.
 `tuple(e for e in DEFAULT_KEEP_FP32 if e != "output")`.
@@ -438,7 +440,11 @@ def convert(model: keras.Model, policy: str | Policy) -> keras.Model:
     keep-list, `policy.base` otherwise (a `dtype=` set on a source layer is replaced: add the
     layer to the keep-list to keep it in FP32). Under the `"attention"` / `"softmax"` entries stock
     `keras.layers.MultiHeadAttention` / `keras.layers.Softmax` become their `keras_mp.layers`
-    versions (same config and weights). Weights are copied exactly (FP32 master weights are
+    versions (same config and weights), as does `keras.layers.LayerNormalization` under
+    `"normalization"`; layers whose activation is Keras' GELU get `keras_mp.activations.gelu`.
+    The last two are the same math with fused TensorFlow kernels for low-precision tensors
+    (XLA clusters inside the ordinary TF graph: the GELU was the costliest element-wise work
+    of the bfloat16 `cpu_gpt` step on TF). Weights are copied exactly (FP32 master weights are
     bit-identical; pure float16/bfloat16 policies round them). The original model is not
     modified. Under `"float8"` the output layers keep their bfloat16 matmul (no FP8 for the
     logits projection). If it was compiled, the copy is compiled from the same compile config;

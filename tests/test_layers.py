@@ -270,3 +270,91 @@ def test_model_with_keras_mp_layers_saves_and_loads(tmp_path):
     inner = [la.layer for la in loaded.layers if isinstance(la, kmp_layers.Float32)]
     assert {v.dtype for la in inner for v in la.weights} == {"float32"}
     assert {la.compute_dtype for la in inner} == {"float32"}
+
+
+def _layer_norm_value_and_grads(layer, x, upstream):
+    """(output, d input, d gamma, d beta) for `sum(output * upstream)`."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        x = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+            total = tf.reduce_sum(tf.cast(y, "float32") * upstream)
+        return (y, *tape.gradient(total, [x, layer.gamma.value, layer.beta.value]))
+    import jax
+
+    def f(x, gamma, beta):
+        stateless = dict(zip([v.path for v in layer.trainable_variables], (gamma, beta)))
+        y = layer.stateless_call([stateless[v.path] for v in layer.trainable_variables], [], x)[0]
+        return ops.sum(ops.cast(y, "float32") * upstream), y
+
+    (_, y), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
+        ops.convert_to_tensor(x), layer.gamma.value, layer.beta.value
+    )
+    return (y, *grads)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 64), (7, 48)])
+def test_layer_norm_matches_keras_layer_values_and_gradients(shape):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape) * 3 + 1).astype("float32")
+    upstream = rng.standard_normal(shape).astype("float32")
+    dtype = "mixed_bfloat16"
+    ours = kmp_layers.LayerNormalization(epsilon=1e-3, dtype=dtype)
+    stock = keras.layers.LayerNormalization(epsilon=1e-3, dtype=dtype)
+    reference = keras.layers.LayerNormalization(epsilon=1e-3, dtype="float32")
+    for layer in (ours, stock, reference):
+        layer.build(shape)
+        layer.gamma.assign(rng.uniform(0.5, 1.5, shape[-1:]).astype("float32"))
+        layer.beta.assign(rng.uniform(-0.5, 0.5, shape[-1:]).astype("float32"))
+        layer.set_weights(ours.get_weights())
+    x_low = ops.convert_to_numpy(ops.cast(ops.cast(x, "bfloat16"), "float32"))
+    want = [_np64(t) for t in _layer_norm_value_and_grads(reference, x_low, upstream)]
+    assert ours._uses_tf_kernel(x) is (BACKEND == "tensorflow")
+    got = _layer_norm_value_and_grads(ours, ops.cast(x_low, "bfloat16"), upstream)
+    stock_got = _layer_norm_value_and_grads(stock, ops.cast(x_low, "bfloat16"), upstream)
+    assert [_dtype(t) for t in got] == ["bfloat16", "bfloat16", "float32", "float32"]
+    for g, s, w, name in zip(got, stock_got, want, ["y", "dx", "dgamma", "dbeta"]):
+        # The output: one bfloat16 rounding of the float32 layer's. The gradients start from
+        # the output gradient rounded to bfloat16 (also for Keras' layer): a few roundings.
+        tol = {"y": 2.0**-8, "dx": 2.0**-6}.get(name, 2.0**-7)
+        scale = np.abs(w).max()
+        assert np.abs(_np64(g) - w).max() <= tol * scale, name
+        assert np.abs(_np64(g) - w).max() <= 1.01 * np.abs(_np64(s) - w).max() + 1e-6 * scale
+
+
+def test_layer_norm_is_keras_config_and_weights():
+    stock = keras.layers.LayerNormalization(epsilon=1e-5, center=False, name="ln")
+    ours = kmp_layers.LayerNormalization.from_config(stock.get_config())
+    assert ours.get_config() == stock.get_config()
+    stock.build((2, 8))
+    ours.build((2, 8))
+    assert [w.path for w in ours.weights] == [w.path for w in stock.weights]
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype("float32")
+    np.testing.assert_allclose(_np64(ours(x)), _np64(stock(x)), atol=1e-6)  # float32: Keras'
+
+
+@pytest.mark.tf_only
+@pytest.mark.parametrize("center,scale", [(True, True), (False, True), (True, False)])
+def test_layer_norm_trains_in_graph_and_xla_with_optional_parameters(center, scale):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((32, 4, 16)).astype("float32")
+    y = rng.standard_normal((32, 4, 16)).astype("float32")
+    losses = {}
+    for cls, jit in ((kmp_layers.LayerNormalization, False), (kmp_layers.LayerNormalization,
+                     True), (keras.layers.LayerNormalization, False)):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4, 16))
+        h = keras.layers.Dense(16)(inputs)
+        out = cls(center=center, scale=scale)(h)
+        model = keras.Model(inputs, keras.layers.Dense(16, dtype="float32")(out))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit)
+        hist = model.fit(x, y, epochs=3, batch_size=8, verbose=0, shuffle=False)
+        losses[(cls.__module__, jit)] = hist.history["loss"]
+    ours, ours_xla, stock = losses.values()
+    assert ours[-1] < ours[0]
+    np.testing.assert_allclose(ours, stock, rtol=0.02)
+    np.testing.assert_allclose(ours_xla, stock, rtol=0.02)

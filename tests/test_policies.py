@@ -359,6 +359,31 @@ def test_convert_swaps_attention_and_softmax_for_keras_mp_layers():
         np.testing.assert_allclose(keras.ops.convert_to_numpy(m(x)), ref, atol=2e-2)
 
 
+def test_convert_swaps_layer_normalization_under_the_normalization_entry():
+    layers = pytest.importorskip("keras_mp.layers")
+    inputs = keras.Input((6, 8))
+    x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+    model.get_layer("ln").gamma.assign(np.linspace(0.5, 1.5, 8).astype("float32"))
+    converted = kmp.convert(model, "mixed_bfloat16")
+    ln = converted.get_layer("ln")
+    assert type(ln) is layers.LayerNormalization and ln.compute_dtype == "bfloat16"
+    source = model.get_layer("ln").get_config()
+    assert {k: v for k, v in ln.get_config().items() if k != "dtype"} == {
+        k: v for k, v in source.items() if k != "dtype"
+    }
+    assert _weights_equal(model, converted)
+    keep = [e for e in kmp.DEFAULT_KEEP_FP32 if e != "normalization"]
+    plain = kmp.convert(model, policies.Policy("mixed_bfloat16", keep_fp32=keep))
+    assert type(plain.get_layer("ln")) is keras.layers.LayerNormalization
+    assert type(kmp.convert(model, "float32").get_layer("ln")) is keras.layers.LayerNormalization
+    x = np.random.default_rng(1).normal(size=(4, 6, 8)).astype("float32")
+    ref = keras.ops.convert_to_numpy(model(x))
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(keras.ops.cast(converted(x), "float32")), ref, atol=3e-2
+    )
+
+
 def test_convert_rejects_unbuilt_and_unclonable_models():
     with pytest.raises(ValueError, match="not built"):
         kmp.convert(keras.Sequential([keras.layers.Dense(2)]), "mixed_bfloat16")

@@ -125,14 +125,11 @@ def _tf_cpu_tensor_peak(backend: str, reset: bool = False) -> int | None:
     the last reset; `reset=True` starts a new window. None elsewhere or if unsupported."""
     if backend != "tensorflow" or _on_gpu(backend):
         return None
-    import tensorflow as tf
+    from keras_mp.cli import records  # imports keras: not at module level
 
-    try:
-        if reset:
-            tf.config.experimental.reset_memory_stats("CPU:0")
-        return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-    except (ValueError, RuntimeError):
-        return None
+    if reset:
+        records.reset_peak_memory("CPU")
+    return records.peak_memory("CPU")
 
 
 def _on_gpu(backend: str) -> bool:

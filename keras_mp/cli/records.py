@@ -10,26 +10,35 @@ import numpy as np
 __all__ = ["EpochRecorder", "peak_memory", "reset_peak_memory"]
 
 
-def reset_peak_memory() -> None:
-    """Starts a new peak-memory window where the backend supports it (TensorFlow GPUs)."""
+def reset_peak_memory(tf_device: str = "GPU") -> None:
+    """Starts a new peak-memory window where the backend supports it (TensorFlow).
+
+    Args:
+        tf_device: TensorFlow device type whose allocator to reset: `"GPU"` (the first GPU,
+            if any) or `"CPU"` (TensorFlow's CPU allocator: tensors only, unlike RSS).
+    """
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
-        for d in tf.config.list_logical_devices("GPU")[:1]:
-            tf.config.experimental.reset_memory_stats(d.name)
+        for d in tf.config.list_logical_devices(tf_device)[:1]:
+            try:
+                tf.config.experimental.reset_memory_stats(d.name)
+            except (ValueError, RuntimeError):  # an allocator without statistics
+                pass
 
 
-def peak_memory() -> int | None:
-    """Peak device memory in bytes where the backend reports it (GPUs), else None.
+def peak_memory(tf_device: str = "GPU") -> int | None:
+    """Peak device memory in bytes where the backend reports it, else None.
 
-    TensorFlow: the peak since `reset_peak_memory()`. JAX cannot reset its counter, so
+    TensorFlow: the peak of the first `tf_device` (`"GPU"`, or `"CPU"` for TensorFlow's CPU
+    allocator) since `reset_peak_memory(tf_device)`. JAX (GPUs) cannot reset its counter, so
     there it is the peak of the whole process so far (an upper bound for later modes).
     """
     try:
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 
-            for d in tf.config.list_logical_devices("GPU")[:1]:
+            for d in tf.config.list_logical_devices(tf_device)[:1]:
                 return int(tf.config.experimental.get_memory_info(d.name)["peak"])
         elif keras.backend.backend() == "jax":
             import jax

@@ -35,24 +35,11 @@ per_token = sparse_xent_from_logits(labels, logits_bf16)   # float32, labels' sh
 
 from __future__ import annotations
 
+from keras_mp.tf.xla import compiling_with_xla
+
 __all__ = ["compiling_with_xla", "sparse_xent_from_logits"]
 
 CHUNK_ELEMENTS = 2**21  # float32 values per chunk: 8 MiB temporaries
-
-
-def compiling_with_xla() -> bool:
-    """Whether the TensorFlow graph being built will be compiled by XLA (`jit_compile=True`).
-
-    XLA fuses a whole-tensor cross-entropy by itself; the chunked loop here is for TF's
-    executor (oneDNN kernels) and would only split XLA's fusion (6% of the `cpu_gpt` FP16
-    step under XLA:CPU). Uses TensorFlow's private `control_flow_util`; False if it moves.
-    """
-    try:
-        from tensorflow.python.framework import ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - a future TensorFlow
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
 
 
 def _chunked(fn, dtype, tail, rows, chunks, *tensors):
@@ -122,16 +109,14 @@ def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CH
     padding = chunks * rows - rows_total
     index = tf.stack([tf.range(rows_total), flat_labels], axis=1)
 
+    # A copy only when the rows are not a whole number of chunks (or not known).
+    exact = isinstance(padding, int) and padding == 0
+
     def pad(t):
-        # A copy only when the rows are not a whole number of chunks (or not known).
-        return (
-            t
-            if isinstance(padding, int) and padding == 0
-            else tf.pad(t, [[0, padding]] + [[0, 0]] * (t.shape.rank - 1))
-        )
+        return t if exact else tf.pad(t, [[0, padding]] + [[0, 0]] * (t.shape.rank - 1))
 
     def unpad(t):
-        return t if isinstance(padding, int) and padding == 0 else t[:rows_total]
+        return t if exact else t[:rows_total]
 
     @tf.custom_gradient
     def fused(z):

@@ -1,0 +1,98 @@
+"""GELU for low-precision tensors on TensorFlow's executor: float32 math, one saved input.
+
+TensorFlow runs `tf.nn.gelu` on a bfloat16 tensor as bfloat16 element-wise kernels (Eigen
+converts every element in and out of float32 in each of them), and its automatic gradient
+adds about ten more such kernels plus the intermediates it keeps for them. On the
+`cpu_gpt` benchmark the FFN's GELU was the most expensive element-wise work of the keras_mp
+bfloat16 step (its forward and backward `Mul`, `Erfc`, `Exp` and `Square` ops: about 85 ms
+of op time per step, more than in the float32 model). This version casts once to float32,
+computes the GELU there, casts the result back, and keeps only its input for the backward
+pass, where the derivative `Phi(x) + x * phi(x)` is recomputed in float32 as well. The
+result is the float32 GELU rounded once to the input's dtype (Keras' is rounded after each
+step).
+
+Under XLA (`jit_compile=True`) the element-wise work fuses anyway: `keras_mp.activations.gelu`
+takes Keras' own GELU there.
+
+Example:
+
+```python
+from keras_mp.tf.activations import gelu_float32_math
+
+y = gelu_float32_math(x_bf16)            # bfloat16, computed in float32
+y = gelu_float32_math(x_bf16, True)      # the tanh approximation
+```
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["gelu_float32_math"]
+
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+_SQRT_2_OVER_PI = 0.7978845608028654
+_TANH_CUBIC = 0.044715
+
+
+@functools.cache
+def _kernels(approximate: bool):
+    """The forward and backward GELU kernels, each one XLA cluster (`jit_compile=True`)."""
+    import tensorflow as tf
+
+    f32 = tf.float32
+
+    def inner(xf):
+        return _SQRT_2_OVER_PI * (xf + _TANH_CUBIC * xf * tf.square(xf))
+
+    @tf.function(jit_compile=True, autograph=False)
+    def forward(x):
+        xf = tf.cast(x, f32)
+        if approximate:  # 0.5 * (1 + tanh(u)) = sigmoid(2u): no cancellation for x << 0
+            y = xf * tf.sigmoid(2.0 * inner(xf))
+        else:
+            y = 0.5 * xf * tf.math.erfc(-_SQRT_HALF * xf)
+        return tf.cast(y, x.dtype)
+
+    @tf.function(jit_compile=True, autograph=False)
+    def backward(x, upstream):
+        # d/dx [x * Phi(x)] = Phi(x) + x * Phi'(x), Phi the (approximate) normal CDF.
+        xf = tf.cast(x, f32)
+        if approximate:
+            cdf = tf.sigmoid(2.0 * inner(xf))
+            inner_slope = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * tf.square(xf))
+            slope = cdf + xf * (2.0 * cdf * (1.0 - cdf)) * inner_slope
+        else:
+            cdf = 0.5 * tf.math.erfc(-_SQRT_HALF * xf)
+            slope = cdf + xf * (_INV_SQRT_2PI * tf.exp(-0.5 * tf.square(xf)))
+        return tf.cast(tf.cast(upstream, f32) * slope, x.dtype)
+
+    return forward, backward
+
+
+def gelu_float32_math(x, approximate: bool = False):
+    """GELU of `x` computed in float32, returned in `x.dtype`, with a recomputing gradient.
+
+    Args:
+        x: A floating tensor.
+        approximate: Whether to use the tanh approximation (as `keras.activations.gelu`).
+
+    Returns:
+        `gelu(x)` in `x.dtype`; its gradient is computed in float32 from `x` alone.
+
+    Example:
+
+    ```python
+    y = gelu_float32_math(tf.constant([-1.0, 0.0, 2.0], tf.bfloat16))
+    ```
+    """
+    import tensorflow as tf
+
+    forward, backward = _kernels(bool(approximate))
+
+    @tf.custom_gradient
+    def gelu(x):
+        return forward(x), lambda upstream: backward(x, upstream)
+
+    return gelu(tf.convert_to_tensor(x))

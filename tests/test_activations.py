@@ -1,0 +1,183 @@
+"""keras_mp.activations.gelu: Keras' GELU, with a float32-math TF kernel for low precision."""
+
+import math
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+
+import keras_mp as kmp
+from keras_mp.activations import gelu
+
+X = np.linspace(-9.0, 9.0, 2001)
+
+
+def _reference(x: np.ndarray, approximate: bool):
+    """float64 GELU and its derivative."""
+    if approximate:
+        c = math.sqrt(2 / math.pi)
+        cdf = 1 / (1 + np.exp(-2 * c * (x + 0.044715 * x**3)))  # 0.5 * (1 + tanh(u))
+        return x * cdf, cdf + x * 2 * cdf * (1 - cdf) * c * (1 + 3 * 0.044715 * x**2)
+    cdf = 0.5 * np.vectorize(math.erfc)(-x / math.sqrt(2))  # erfc: no cancellation at -9
+    return x * cdf, cdf + x * np.exp(-0.5 * x**2) / math.sqrt(2 * math.pi)
+
+
+def _ulps(got, want, dtype):
+    """|got - want| in units of the dtype's spacing at `want` (float64 arithmetic)."""
+    info = ml_dtypes.finfo(dtype)
+    exponent = np.floor(np.log2(np.maximum(np.abs(want), float(info.smallest_normal))))
+    return np.abs(np.asarray(got, np.float64) - want) / 2.0 ** (exponent - info.nmant)
+
+
+def _value_and_grad(fn, x, upstream):
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = fn(x)
+        return y, tape.gradient(y, x, output_gradients=upstream)
+    import jax
+
+    y, vjp = jax.vjp(fn, x)
+    return y, vjp(upstream)[0]
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gelu_value_and_gradient_within_one_ulp_of_float64(dtype, approximate):
+    if keras.backend.backend() == "jax" and dtype == "float16":
+        pytest.skip("JAX on CPU: no float16 arithmetic worth testing")
+    np_dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    x_low = X.astype(np_dtype)
+    upstream_low = np.linspace(-2, 2, X.size).astype(np_dtype)
+    want_y, want_slope = _reference(x_low.astype(np.float64), approximate)
+    want_dx = upstream_low.astype(np.float64) * want_slope
+    y, dx = _value_and_grad(
+        lambda t: gelu(t, approximate),
+        keras.ops.convert_to_tensor(x_low),
+        keras.ops.convert_to_tensor(upstream_low),
+    )
+    assert keras.backend.standardize_dtype(y.dtype) == dtype
+    assert keras.backend.standardize_dtype(dx.dtype) == dtype
+    y_err = _ulps(keras.ops.convert_to_numpy(keras.ops.cast(y, "float32")), want_y, np_dtype)
+    dx_err = _ulps(keras.ops.convert_to_numpy(keras.ops.cast(dx, "float32")), want_dx, np_dtype)
+    if keras.backend.backend() == "tensorflow":
+        # float32 math rounded once: within one unit of the float64 value (a second
+        # rounding of the float32 result to the dtype can land one unit away).
+        assert y_err.max() <= 1.0, y_err.max()
+        assert dx_err.max() <= 1.0, dx_err.max()
+    else:  # Keras' own GELU, in the dtype
+        stock_y, stock_dx = _value_and_grad(
+            lambda t: keras.activations.gelu(t, approximate),
+            keras.ops.convert_to_tensor(x_low),
+            keras.ops.convert_to_tensor(upstream_low),
+        )
+        for got, want in ((y, stock_y), (dx, stock_dx)):
+            np.testing.assert_array_equal(
+                keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")),
+                keras.ops.convert_to_numpy(keras.ops.cast(want, "float32")),
+            )
+
+
+@pytest.mark.tf_only
+def test_gelu_tf_kernel_beats_keras_own_bfloat16_gelu_in_accuracy():
+    import tensorflow as tf
+
+    x = tf.constant(X, tf.bfloat16)
+    want, _ = _reference(X.astype(ml_dtypes.bfloat16).astype(np.float64), False)
+    ours = _ulps(tf.cast(gelu(x), tf.float32).numpy(), want, ml_dtypes.bfloat16)
+    stock = _ulps(
+        tf.cast(keras.activations.gelu(x), tf.float32).numpy(), want, ml_dtypes.bfloat16
+    )
+    assert ours.mean() < stock.mean()  # rounded once vs after every step
+
+
+@pytest.mark.tf_only
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_gelu_in_graphs_with_unknown_shapes_and_under_xla(jit_compile):
+    import tensorflow as tf
+
+    x = tf.constant(np.linspace(-4, 4, 24).reshape(2, 3, 4), tf.bfloat16)
+
+    @tf.function(
+        jit_compile=jit_compile, input_signature=[tf.TensorSpec([None, None, 4], tf.bfloat16)]
+    )
+    def value_and_grad(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = gelu(x)
+            total = tf.reduce_sum(tf.cast(y, tf.float32))
+        return y, tape.gradient(total, x)
+
+    y, dx = value_and_grad(x)
+    want_y, want_dx = _reference(x.numpy().astype(np.float64), False)
+    np.testing.assert_allclose(tf.cast(y, tf.float32).numpy(), want_y, rtol=8e-3, atol=1e-3)
+    np.testing.assert_allclose(tf.cast(dx, tf.float32).numpy(), want_dx, rtol=8e-3, atol=1e-3)
+
+
+def test_gelu_float32_is_keras_gelu_exactly():
+    x = keras.ops.convert_to_tensor(X.astype("float32"))
+    for approximate in (False, True):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(gelu(x, approximate)),
+            keras.ops.convert_to_numpy(keras.activations.gelu(x, approximate)),
+        )
+
+
+def _ffn_model():
+    inputs = keras.Input((6, 8))
+    h = keras.layers.Dense(16, activation="gelu", name="ffn_in")(inputs)
+    h = keras.layers.Activation("gelu", name="act")(h)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    h = keras.layers.Dense(8, activation="relu", name="ffn_out")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def test_convert_gives_gelu_layers_keras_mp_gelu_and_same_outputs():
+    model = _ffn_model()
+    x = np.random.default_rng(0).standard_normal((4, 6, 8)).astype("float32")
+    dtype = "bfloat16" if keras.backend.backend() == "jax" else "float16"
+    mixed = kmp.convert(model, f"mixed_{dtype}")
+    assert mixed.get_layer("ffn_in").activation is gelu
+    assert mixed.get_layer("act").activation is gelu
+    assert mixed.get_layer("ffn_out").activation is keras.activations.relu
+    assert model.get_layer("ffn_in").activation is keras.activations.gelu  # source untouched
+    assert kmp.convert(model, "float32").get_layer("ffn_in").activation is keras.activations.gelu
+    want = model.predict(x, verbose=0)
+    got = keras.ops.convert_to_numpy(keras.ops.cast(mixed(x), "float32"))
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+
+
+def test_converted_gelu_round_trips_through_keras_files(tmp_path):
+    mixed = kmp.convert(_ffn_model(), "mixed_bfloat16")
+    path = str(tmp_path / "m.keras")
+    mixed.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_layer("ffn_in").activation is gelu
+    x = np.random.default_rng(1).standard_normal((2, 6, 8)).astype("float32")
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(keras.ops.cast(loaded(x), "float32")),
+        keras.ops.convert_to_numpy(keras.ops.cast(mixed(x), "float32")),
+    )
+
+
+@pytest.mark.tf_only
+def test_converted_bfloat16_gelu_and_layer_norm_model_trains_and_exports(tmp_path):
+    import tensorflow as tf
+
+    mixed = kmp.convert(_ffn_model(), "mixed_bfloat16")
+    assert type(mixed.get_layer("ln")) is kmp.layers.LayerNormalization  # its kernel too
+    mixed.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((64, 6, 8)).astype("float32")
+    y = rng.standard_normal((64, 6, 3)).astype("float32") * 0.1
+    history = mixed.fit(x, y, epochs=8, batch_size=16, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    kmp.export_saved_model(mixed, str(tmp_path / "sm"))
+    served = tf.saved_model.load(str(tmp_path / "sm")).signatures["serving_default"]
+    (out,) = served(tf.constant(x[:4])).values()
+    np.testing.assert_allclose(
+        out.numpy(), keras.ops.convert_to_numpy(mixed(x[:4])).astype("float32"), atol=1e-2
+    )
