@@ -28,6 +28,23 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 MIB = 2**20
 _CONTAINERS = {"Process", "StartRegion", "StopRegion", "Record", "ExecutorDoneCallback"}
+_XLA_CLUSTER = "XLA cluster (async op)"
+
+
+def _op_type(event_name: str) -> str | None:
+    """The op type a TF executor event is counted under, None for events inside others.
+
+    TF ops are `name:Type`. An XLA cluster called from the TF graph (keras_mp's
+    `jit_compile=True` kernels) runs as an async op, `ExecutorState::ProcessAsync::Start`;
+    the XLA events inside it (`CpuExecutable::...`, `ThunkExecutor::...`, fusions, which
+    have no `:`) are part of that time and are not counted again.
+    """
+    if event_name == "ExecutorState::ProcessAsync::Start":
+        return _XLA_CLUSTER
+    if "::" in event_name or ":" not in event_name:
+        return None
+    op = event_name.rpartition(":")[2]  # (XLA's "end: fusion" markers: not an identifier)
+    return op if op.isidentifier() and op not in _CONTAINERS else None
 
 
 def _read_trace(logdir: str, steps: int):
@@ -54,13 +71,11 @@ def _read_trace(logdir: str, steps: int):
                     )
                     in_use = stats["bytes_allocated"].int64_value
                     peaks[allocator] = max(peaks[allocator], in_use)
-                elif (
-                    line.name.startswith("tf_Compute")
-                    and name.rpartition(":")[2] not in _CONTAINERS
-                ):
-                    op = name.rpartition(":")[2]
-                    times[op] += event.duration_ps / 1e9 / steps
-                    counts[op] += 1 / steps
+                elif line.name.startswith("tf_Compute"):
+                    op = _op_type(name)
+                    if op is not None:
+                        times[op] += event.duration_ps / 1e9 / steps
+                        counts[op] += 1 / steps
     ops = {op: (round(ms, 2), round(counts[op])) for op, ms in times.most_common()}
     return dict(peaks), ops
 

@@ -193,7 +193,7 @@ def recommend(devices, backend: str) -> tuple[str, bool, list]:
         reasons = [
             "this CPU has AVX512-BF16/AMX and TensorFlow's oneDNN kernels use them (a 1024^2 "
             "matmul ran ~6x faster in bf16; whole training steps of a small GPT gained "
-            "1.48-1.55x with keras_mp's defaults, 1.28-1.35x with stock Keras, see "
+            "1.76-2.02x with keras_mp's defaults, 1.29-1.44x with stock Keras, see "
             "benchmarks/BENCHMARKS.md)",
             "jit_compile=False: XLA:CPU does not use AMX (bfloat16 matmul 7x slower with it)",
             "measure your model: keras-mp bench --models cpu_gpt "

@@ -358,3 +358,76 @@ def test_layer_norm_trains_in_graph_and_xla_with_optional_parameters(center, sca
     assert ours[-1] < ours[0]
     np.testing.assert_allclose(ours, stock, rtol=0.02)
     np.testing.assert_allclose(ours_xla, stock, rtol=0.02)
+
+
+@pytest.mark.tf_only
+def test_layer_norm_and_gelu_kernels_need_less_temporary_memory_than_keras():
+    """TF allocator peak of value-and-gradients in a tf.function, above what is in use before,
+    in units of the 4096 x 1024 bfloat16 input: measured layer norm 4.0x (rows in blocks;
+    17x in one block: XLA:CPU materialises float32 reduction inputs) vs Keras' 10.0x, GELU
+    1.0x vs Keras' 4.0x."""
+    import tensorflow as tf
+
+    from keras_mp.activations import gelu
+
+    n, d = 4096, 1024
+    x = tf.cast(tf.random.stateless_normal([n, d], seed=[1, 2]), "bfloat16")
+
+    def peak(fn, params=()):
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                total = tf.reduce_sum(tf.cast(fn(x), "float32"))
+            return tape.gradient(total, [x, *params])
+
+        step(x)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        grads = step(x)
+        assert all(g is not None for g in grads)
+        return (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / (n * d * 2)
+
+    norms = []
+    for cls in (kmp_layers.LayerNormalization, keras.layers.LayerNormalization):
+        layer = cls(dtype="mixed_bfloat16")
+        layer.build((n, d))
+        norms.append(peak(layer, [v.value for v in layer.trainable_variables]))
+    ours, stock = norms
+    assert ours <= 5.0 and ours <= 0.6 * stock, (ours, stock)
+    ours, stock = peak(gelu), peak(keras.activations.gelu)
+    assert ours <= 1.5 and stock >= 3.0, (ours, stock)
+
+
+@pytest.mark.tf_only
+@pytest.mark.parametrize("known_rows", [True, False])
+def test_layer_norm_kernel_in_blocks_of_rows_matches_one_block(known_rows):
+    """37 x 3 rows of 16 in blocks of 4 rows (the last one shorter), in a graph with known or
+    unknown row count: the same values and gradients as one block."""
+    import tensorflow as tf
+
+    from keras_mp.tf.normalization import layer_norm_float32_math
+
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.standard_normal((37, 3, 16)) * 2 + 1, tf.bfloat16)
+    upstream = tf.constant(rng.standard_normal((37, 3, 16)), tf.bfloat16)
+    gamma = tf.constant(rng.uniform(0.5, 1.5, 16), tf.float32)
+    beta = tf.constant(rng.uniform(-0.5, 0.5, 16), tf.float32)
+    spec = [tf.TensorSpec([37 if known_rows else None, 3, 16], tf.bfloat16)]
+
+    def value_and_grads(block_elements):
+        @tf.function(input_signature=spec)
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch([x, gamma, beta])
+                y = layer_norm_float32_math(x, gamma, beta, 1e-3, block_elements)
+            return (y, *tape.gradient(y, [x, gamma, beta], output_gradients=upstream))
+
+        return [_np64(t) for t in run(x)]
+
+    blocked, whole = value_and_grads(64), value_and_grads(2**20)
+    for b, w in zip(blocked, whole, strict=True):
+        np.testing.assert_allclose(b, w, rtol=1e-6, atol=1e-6)
+    normalised = (whole[0] - beta.numpy()) / gamma.numpy()  # rows: mean 0, deviation 1
+    assert np.abs(normalised.mean(-1)).max() < 0.02
+    assert np.abs(normalised.std(-1) - 1).max() < 0.02
