@@ -1,7 +1,8 @@
 """Activations with a float32-math kernel for low-precision tensors.
 
 `gelu` is `keras.activations.gelu` (same arguments, same result up to rounding) whose
-TensorFlow version, on float16/bfloat16 tensors outside XLA, computes in float32 and keeps
+TensorFlow version, on float16/bfloat16 tensors outside XLA (of at least
+`keras_mp.tf.activations.MIN_ELEMENTS` values), computes in float32 and keeps
 only its input for the backward pass (`keras_mp.tf.activations`): on the `cpu_gpt`
 benchmark TF's own GELU in bfloat16 was the costliest element-wise work of the step.
 `keras_mp.convert` gives it to the layers of a low-precision model whose activation is
@@ -44,9 +45,9 @@ def gelu(x, approximate: bool = False):
     """
     x = keras.ops.convert_to_tensor(x)
     if keras.backend.backend() == "tensorflow" and keras.backend.standardize_dtype(x.dtype) in _LOW:
-        from keras_mp.tf.activations import gelu_float32_math
-        from keras_mp.tf.xla import compiling_with_xla
+        from keras_mp.tf.activations import MIN_ELEMENTS, gelu_float32_math
+        from keras_mp.tf.xla import worth_a_cluster
 
-        if not compiling_with_xla():
+        if worth_a_cluster(x, MIN_ELEMENTS):
             return gelu_float32_math(x, approximate)
     return keras.activations.gelu(x, approximate=approximate)

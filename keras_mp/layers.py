@@ -242,8 +242,10 @@ class LayerNormalization(keras.layers.LayerNormalization):
     normalised over its last axis, it runs `keras_mp.tf.normalization`: forward and backward
     as one XLA cluster each, keeping only the input and two float32 numbers per row for the
     backward pass (Keras' layer keeps float32 copies of the input and of its normalised
-    values). Everywhere else it is Keras' layer. `keras_mp.convert` uses it for Keras'
-    `LayerNormalization` under the `"normalization"` keep-list entry.
+    values). Inputs of fewer than `keras_mp.tf.normalization.MIN_ELEMENTS` values, where
+    launching the clusters costs more than it saves, and everything else take Keras' layer.
+    `keras_mp.convert` uses it for Keras' `LayerNormalization` under the `"normalization"`
+    keep-list entry.
 
     Args:
         **kwargs: The arguments of `keras.layers.LayerNormalization` (`axis`, `epsilon`,
@@ -268,9 +270,10 @@ class LayerNormalization(keras.layers.LayerNormalization):
         rank = len(inputs.shape)
         if [a % rank for a in self.axis] != [rank - 1]:
             return False
-        from keras_mp.tf.xla import compiling_with_xla
+        from keras_mp.tf.normalization import MIN_ELEMENTS
+        from keras_mp.tf.xla import worth_a_cluster
 
-        return not compiling_with_xla()
+        return worth_a_cluster(inputs, MIN_ELEMENTS)
 
     def call(self, inputs):
         if not self._uses_tf_kernel(inputs):

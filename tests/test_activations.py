@@ -10,7 +10,7 @@ import pytest
 import keras_mp as kmp
 from keras_mp.activations import gelu
 
-X = np.linspace(-9.0, 9.0, 2001)
+X = np.linspace(-9.0, 9.0, 2**14 + 1)  # enough values for the TF kernel (MIN_ELEMENTS)
 
 
 def _reference(x: np.ndarray, approximate: bool):
@@ -126,13 +126,21 @@ def test_gelu_float32_is_keras_gelu_exactly():
         )
 
 
-def _ffn_model():
-    inputs = keras.Input((6, 8))
-    h = keras.layers.Dense(16, activation="gelu", name="ffn_in")(inputs)
+def _ffn_model(seq=6, features=8, width=16):
+    inputs = keras.Input((seq, features))
+    h = keras.layers.Dense(width, activation="gelu", name="ffn_in")(inputs)
     h = keras.layers.Activation("gelu", name="act")(h)
     h = keras.layers.LayerNormalization(name="ln")(h)
     h = keras.layers.Dense(8, activation="relu", name="ffn_out")(h)
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def test_gelu_takes_keras_gelu_below_the_kernel_size():
+    x = keras.ops.cast(keras.ops.convert_to_tensor(X[:4096].astype("float32")), "bfloat16")
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(keras.ops.cast(gelu(x), "float32")),
+        keras.ops.convert_to_numpy(keras.ops.cast(keras.activations.gelu(x), "float32")),
+    )
 
 
 def test_convert_gives_gelu_layers_keras_mp_gelu_and_same_outputs():
@@ -167,12 +175,14 @@ def test_converted_gelu_round_trips_through_keras_files(tmp_path):
 def test_converted_bfloat16_gelu_and_layer_norm_model_trains_and_exports(tmp_path):
     import tensorflow as tf
 
-    mixed = kmp.convert(_ffn_model(), "mixed_bfloat16")
-    assert type(mixed.get_layer("ln")) is kmp.layers.LayerNormalization  # its kernel too
+    # Batches of 16 x 32 x 512 values: both TF kernels take them (MIN_ELEMENTS).
+    mixed = kmp.convert(_ffn_model(seq=32, features=64, width=512), "mixed_bfloat16")
+    assert type(mixed.get_layer("ln")) is kmp.layers.LayerNormalization
+    assert mixed.get_layer("ln")._uses_tf_kernel(tf.zeros((16, 32, 512), "bfloat16"))
     mixed.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((64, 6, 8)).astype("float32")
-    y = rng.standard_normal((64, 6, 3)).astype("float32") * 0.1
+    x = rng.standard_normal((64, 32, 64)).astype("float32")
+    y = rng.standard_normal((64, 32, 3)).astype("float32") * 0.1
     history = mixed.fit(x, y, epochs=8, batch_size=16, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
     kmp.export_saved_model(mixed, str(tmp_path / "sm"))

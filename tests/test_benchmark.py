@@ -207,7 +207,7 @@ def test_tf_profile_script_reads_ops_and_allocator_peak(capsys):
     """benchmarks/tf_profile.py at test size: one record per policy with TF's allocator peak
     and the op types of the profiled steps; the keras_mp step runs the chunked oneDNN loss
     (softmax, no SparseSoftmaxCrossEntropyWithLogits), the stock step TF's native kernel, and
-    keras_mp's GELU / layer-norm kernels are XLA clusters."""
+    keras_mp's GELU kernel is a pair of XLA clusters."""
     import importlib.util
     import pathlib
 
@@ -226,8 +226,9 @@ def test_tf_profile_script_reads_ops_and_allocator_peak(capsys):
     assert "SparseSoftmaxCrossEntropyWithLogits" in stock["top_ops_ms_per_step"]
     assert "SparseSoftmaxCrossEntropyWithLogits" not in ours["top_ops_ms_per_step"]
     assert any("Softmax" in op for op in ours["top_ops_ms_per_step"])
-    # keras_mp's GELU and layer norms run as XLA clusters (forward + backward: 2 x (1 + 3)
-    # per step in tiny_gpt), counted once each, not again by the XLA events inside them.
-    assert ours["top_ops_ms_per_step"]["XLA cluster (async op)"][1] == 8
+    # keras_mp's GELU runs as XLA clusters (forward + backward; tiny_gpt's 2 x 64 x 128 values
+    # are just enough, its layer norms too few and take Keras' ops), counted once each, not
+    # again by the XLA events inside them.
+    assert ours["top_ops_ms_per_step"]["XLA cluster (async op)"][1] == 2
     assert "Erfc" in stock["top_ops_ms_per_step"] and "Erfc" not in ours["top_ops_ms_per_step"]
     assert not any("fusion" in op or "::" in op for op in ours["top_ops_ms_per_step"])

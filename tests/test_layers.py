@@ -296,7 +296,7 @@ def _layer_norm_value_and_grads(layer, x, upstream):
     return (y, *grads)
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 64), (7, 48)])
+@pytest.mark.parametrize("shape", [(16, 32, 256), (1024, 128)])  # MIN_ELEMENTS: the TF kernel
 def test_layer_norm_matches_keras_layer_values_and_gradients(shape):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(shape) * 3 + 1).astype("float32")
@@ -336,21 +336,31 @@ def test_layer_norm_is_keras_config_and_weights():
     np.testing.assert_allclose(_np64(ours(x)), _np64(stock(x)), atol=1e-6)  # float32: Keras'
 
 
+def test_layer_norm_below_the_kernel_size_is_keras_layer_exactly():
+    x = np.random.default_rng(4).standard_normal((4, 6, 32)).astype("float32")
+    ours = kmp_layers.LayerNormalization(dtype="mixed_bfloat16")
+    stock = keras.layers.LayerNormalization(dtype="mixed_bfloat16")
+    for layer in (ours, stock):
+        layer.build(x.shape)
+    assert not ours._uses_tf_kernel(x)
+    np.testing.assert_array_equal(_np64(ours(x)), _np64(stock(x)))
+
+
 @pytest.mark.tf_only
 @pytest.mark.parametrize("center,scale", [(True, True), (False, True), (True, False)])
 def test_layer_norm_trains_in_graph_and_xla_with_optional_parameters(center, scale):
     keras.config.set_dtype_policy("mixed_bfloat16")
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((32, 4, 16)).astype("float32")
-    y = rng.standard_normal((32, 4, 16)).astype("float32")
+    x = rng.standard_normal((32, 64, 32)).astype("float32")
+    y = rng.standard_normal((32, 64, 256)).astype("float32")
     losses = {}
     for cls, jit in ((kmp_layers.LayerNormalization, False), (kmp_layers.LayerNormalization,
                      True), (keras.layers.LayerNormalization, False)):
         keras.utils.set_random_seed(0)
-        inputs = keras.Input((4, 16))
-        h = keras.layers.Dense(16)(inputs)
+        inputs = keras.Input((64, 32))
+        h = keras.layers.Dense(256)(inputs)  # batches of 8 x 64 x 256: the TF kernel's size
         out = cls(center=center, scale=scale)(h)
-        model = keras.Model(inputs, keras.layers.Dense(16, dtype="float32")(out))
+        model = keras.Model(inputs, keras.layers.Dense(256, dtype="float32")(out))
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=jit)
         hist = model.fit(x, y, epochs=3, batch_size=8, verbose=0, shuffle=False)
         losses[(cls.__module__, jit)] = hist.history["loss"]

@@ -31,7 +31,11 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["gelu_float32_math"]
+__all__ = ["MIN_ELEMENTS", "gelu_float32_math"]
+
+MIN_ELEMENTS = 2**14
+"""Smallest tensor `keras_mp.activations.gelu` sends here: forward + backward of n x 64
+bfloat16 values took 0.39 vs TF's 0.33 ms at 4096 values, 0.37 vs 0.55 ms at 16384."""
 
 _SQRT_HALF = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327

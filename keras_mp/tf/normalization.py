@@ -26,7 +26,12 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["BLOCK_ELEMENTS", "layer_norm_float32_math"]
+__all__ = ["BLOCK_ELEMENTS", "MIN_ELEMENTS", "layer_norm_float32_math"]
+
+MIN_ELEMENTS = 2**17
+"""Smallest input `keras_mp.layers.LayerNormalization` sends here: forward + backward over
+rows of 64 bfloat16 values took 0.93 vs Keras' 0.67 ms at 65536 values, 1.67 vs 2.32 ms at
+262144 (2048 x 256: 2.4 vs 3.6 ms)."""
 
 BLOCK_ELEMENTS = 2**19  # values per block of rows (XLA:CPU keeps ~4 float32 copies of one)
 
