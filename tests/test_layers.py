@@ -346,6 +346,20 @@ def test_layer_norm_below_the_kernel_size_is_keras_layer_exactly():
     np.testing.assert_array_equal(_np64(ours(x)), _np64(stock(x)))
 
 
+@pytest.mark.parametrize("policy", ["bfloat16", LOW])
+def test_layer_norm_under_a_pure_policy_matches_keras(policy):
+    """Pure float16/bfloat16: the variables are low precision too (used in float32)."""
+    x = np.random.default_rng(5).standard_normal((16, 32, 256)).astype("float32")
+    ours = kmp_layers.LayerNormalization(dtype=policy)
+    stock = keras.layers.LayerNormalization(dtype=policy)
+    for layer in (ours, stock):
+        layer.build(x.shape)
+        layer.gamma.assign(np.linspace(0.5, 1.5, 256))
+    got, want = _np64(ours(x)), _np64(stock(x))
+    assert _dtype(ours(x)) == policy
+    np.testing.assert_allclose(got, want, atol=2 * 2.0**-7 * np.abs(want).max())
+
+
 @pytest.mark.tf_only
 @pytest.mark.parametrize("center,scale", [(True, True), (False, True), (True, False)])
 def test_layer_norm_trains_in_graph_and_xla_with_optional_parameters(center, scale):

@@ -105,8 +105,8 @@ def layer_norm_float32_math(
 
     Args:
         x: A floating tensor whose last axis has a known size.
-        gamma: Optional float32 scale of shape `x.shape[-1:]`.
-        beta: Optional float32 offset of shape `x.shape[-1:]`.
+        gamma: Optional scale of shape `x.shape[-1:]` (used in float32).
+        beta: Optional offset of shape `x.shape[-1:]` (used in float32).
         epsilon: Added to the variance.
         block_elements: Rows are processed in blocks of about this many values, so that the
             float32 temporaries of XLA:CPU's reductions stay bounded (about 4 float32 copies
@@ -114,8 +114,8 @@ def layer_norm_float32_math(
 
     Returns:
         `(x - mean) * rsqrt(variance + epsilon) * gamma + beta` in `x.dtype`; gradients
-        for `x` (in `x.dtype`), `gamma` and `beta` (float32) come from the custom backward
-        kernel.
+        for `x` (in `x.dtype`), `gamma` and `beta` (in their dtypes) come from the custom
+        backward kernel.
 
     Example:
 
@@ -157,6 +157,7 @@ def layer_norm_float32_math(
 
         return y, grad
 
-    params = [tf.convert_to_tensor(p) for p in (gamma, beta) if p is not None]
+    # float32 whatever the variables' dtype (a pure float16/bfloat16 layer keeps them low).
+    params = [tf.cast(p, f32) for p in (gamma, beta) if p is not None]
     y = norm(tf.reshape(x, [-1, width]), *params)
     return tf.reshape(y, tf.shape(x))
