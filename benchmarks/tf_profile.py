@@ -27,24 +27,25 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 MIB = 2**20
-_CONTAINERS = {"Process", "StartRegion", "StopRegion", "Record", "ExecutorDoneCallback"}
 _XLA_CLUSTER = "XLA cluster (async op)"
 
 
 def _op_type(event_name: str) -> str | None:
     """The op type a TF executor event is counted under, None for events inside others.
 
-    TF ops are `name:Type`. An XLA cluster called from the TF graph (keras_mp's
-    `jit_compile=True` kernels) runs as an async op, `ExecutorState::ProcessAsync::Start`;
-    the XLA events inside it (`CpuExecutable::...`, `ThunkExecutor::...`, fusions, which
-    have no `:`) are part of that time and are not counted again.
+    TF ops are `name:Type`. The executor's own events around them (`ExecutorState::Process`,
+    `ThreadpoolListener::...`, `ExecutorDoneCallback`) are not ops. An XLA cluster called from
+    the TF graph (keras_mp's `jit_compile=True` kernels) runs as an async op,
+    `ExecutorState::ProcessAsync::Start`; the XLA events inside it (`CpuExecutable::...`,
+    `ThunkExecutor::...`, fusions, which have no `:`) are part of that time and are not
+    counted again.
     """
     if event_name == "ExecutorState::ProcessAsync::Start":
         return _XLA_CLUSTER
     if "::" in event_name or ":" not in event_name:
         return None
     op = event_name.rpartition(":")[2]  # (XLA's "end: fusion" markers: not an identifier)
-    return op if op.isidentifier() and op not in _CONTAINERS else None
+    return op if op.isidentifier() else None
 
 
 def _read_trace(logdir: str, steps: int):
