@@ -1,6 +1,6 @@
 """Whether the TensorFlow graph being built is for XLA (`jit_compile=True`).
 
-keras_mp's TensorFlow kernels (`keras_mp.tf.losses`, `keras_mp.tf.activations`) are written
+keras_mp's TensorFlow kernels (`keras_mp.tf.losses`, `.activations`, `.normalization`) are written
 for TF's executor and oneDNN; under XLA the `keras.ops` formulations fuse better, so the
 public functions ask this before taking a TF kernel.
 
