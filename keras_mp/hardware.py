@@ -193,8 +193,9 @@ def recommend(devices, backend: str) -> tuple[str, bool, list]:
         reasons = [
             "this CPU has AVX512-BF16/AMX and TensorFlow's oneDNN kernels use them (a 1024^2 "
             "matmul ran ~6x faster in bf16; whole training steps of a small GPT gained "
-            "1.76-2.02x with keras_mp's defaults, 1.29-1.44x with stock Keras, see "
-            "benchmarks/BENCHMARKS.md)",
+            "1.76-2.02x with keras_mp's defaults, 1.29-1.44x with stock Keras; a small "
+            "ResNet-50 1.18x: convolution weight gradients and the FP32 optimizer update do "
+            "not speed up, see benchmarks/BENCHMARKS.md)",
             "jit_compile=False: XLA:CPU does not use AMX (bfloat16 matmul 7x slower with it)",
             "measure your model: keras-mp bench --models cpu_gpt "
             "--policies float32@nojit,keras_mp_mixed_bfloat16@nojit",

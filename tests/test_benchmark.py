@@ -139,6 +139,36 @@ def test_stock_reference_and_best_fp32():
     assert row["speedup_vs_stock"] == 1.0
 
 
+def test_keras_mp_float32_is_an_fp32_reference():
+    """`keras_mp_float32` (FP32 model, keras_mp's loss) is compared with stock `float32` and
+    counts among the FP32 rows that `speedup_vs_best_fp32` takes the fastest of."""
+    earlier = [{"model": "m", "policy": "float32", "jit_compile": False, "step_ms_median": 100.0}]
+    ours = benchmark.add_speedups(
+        {"model": "m", "policy": "keras_mp_float32", "jit_compile": False,
+         "step_ms_median": 80.0},
+        earlier,
+    )
+    assert (ours["speedup_vs_fp32"], ours["speedup_vs_stock"]) == (1.25, 1.25)
+    assert ours["speedup_vs_best_fp32"] == 1.0
+    mixed = benchmark.add_speedups(
+        {"model": "m", "policy": "keras_mp_mixed_bfloat16", "jit_compile": False,
+         "step_ms_median": 40.0},
+        earlier + [ours],
+    )
+    assert (mixed["speedup_vs_fp32"], mixed["speedup_vs_best_fp32"]) == (2.5, 2.0)
+    assert mixed["speedup_vs_stock"] is None  # no stock bf16 row
+    assert not benchmark.default_jit("keras_mp_float32", "tensorflow", False)
+
+
+def test_keras_mp_float32_row_trains_the_float32_model():
+    """Same float32 model, weights and data as the `float32` row; only the loss is keras_mp's
+    (float32 math either way): the same first-step loss to float32 rounding."""
+    stock = benchmark.run_one("tiny_gpt", "float32", steps=1, warmup=0)
+    ours = benchmark.run_one("tiny_gpt", "keras_mp_float32", steps=1, warmup=0)
+    assert ours["loss"] == pytest.approx(stock["loss"], rel=1e-5)
+    assert ours["jit_compile"] == stock["jit_compile"] and "keep_fp32" not in ours
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [

@@ -12,6 +12,8 @@ Keras row of the same policy measured in the same invocation. Policies:
 - `keras_mp_mixed_bfloat16`, `keras_mp_mixed_float16`: `kmp.convert(model, kmp.Policy(...))`
   (FP32 keep-list), `kmp.losses.SparseCategoricalCrossentropy(from_logits=True)` and, for
   FP16, `kmp.LossScaleOptimizer` (dynamic scaling).
+- `keras_mp_float32`: the FP32 model with keras_mp's loss; it counts as an FP32
+  configuration for `speedup_vs_best_fp32`.
 
 A policy may carry `@jit` or `@nojit` to override `--jit/--no-jit` for that row, e.g.
 `--policies float32@nojit,float32@jit,keras_mp_mixed_bfloat16@nojit`.
@@ -99,20 +101,24 @@ def add_speedups(row: dict, earlier: list) -> dict:
     """Adds speedups (reference median step time / this one; > 1 is faster) to `row`.
 
     `speedup_vs_fp32`: the `float32` row of the same model and `jit_compile`;
-    `speedup_vs_best_fp32`: the fastest `float32`/`float32_strict` row of the model so far;
+    `speedup_vs_best_fp32`: the fastest FP32 row (`float32`, `keras_mp_float32`,
+    `float32_strict`) of the model so far;
     `speedup_vs_stock`: the stock Keras row of the same dtype policy and `jit_compile`
-    (keras_mp rows; stock rows get 1.0). Missing references give `None`.
+    (keras_mp rows, `keras_mp_float32` against `float32`; stock mixed rows get 1.0).
+    Missing references give `None`.
     """
     same = [r for r in earlier + [row] if r["model"] == row["model"] and "error" not in r]
     same_jit = [r for r in same if r.get("jit_compile") == row.get("jit_compile")]
     fp32 = next((r for r in same_jit if r["policy"] == "float32"), None)
-    fp32_rows = [r for r in same if r["policy"] in ("float32", "float32_strict")]
+    fp32_rows = [r for r in same if POLICIES.get(r["policy"]) == "float32"]
     best = min(fp32_rows, key=lambda r: r["step_ms_median"], default=None)
     row["speedup_vs_fp32"] = _speedup(fp32, row)
     row["speedup_vs_best_fp32"] = _speedup(best, row)
-    if POLICIES.get(row["policy"], "float32") != "float32":
-        dtype = POLICIES[row["policy"]]
-        stock_name = "stock_" + ("mixed_bfloat16" if dtype == "float8" else dtype)
+    dtype = POLICIES.get(row["policy"], "float32")
+    if dtype != "float32" or row["policy"] == "keras_mp_float32":
+        stock_name = {"float32": "float32", "float8": "stock_mixed_bfloat16"}.get(
+            dtype, "stock_" + dtype
+        )
         stock = next((r for r in same_jit if r["policy"] == stock_name), None)
         row["speedup_vs_stock"] = _speedup(stock, row)
     return row

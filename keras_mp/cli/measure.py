@@ -10,6 +10,9 @@ times its train steps and returns the JSON record of `keras_mp.cli.benchmark`. T
 - `keras_mp_mixed_bfloat16`, `keras_mp_mixed_float16`: `kmp.convert(model, kmp.Policy(...))`
   (FP32 keep-list), `kmp.losses.SparseCategoricalCrossentropy(from_logits=True)` and, for
   FP16, `kmp.LossScaleOptimizer` (dynamic scaling).
+- `keras_mp_float32`: the FP32 model (nothing converted) with keras_mp's loss: the part of
+  keras_mp's speed that does not come from precision, so that `speedup_vs_best_fp32`
+  compares precisions, not kernels.
 - `stock_mixed_float16_kmp_scaler`: `stock_mixed_float16` with `kmp.LossScaleOptimizer` in
   place of Keras' (same model, loss and policy): its `speedup_vs_stock` is the cost of
   keras_mp's loss scaler alone.
@@ -43,6 +46,7 @@ __all__ = ["POLICIES", "default_jit", "run_one"]
 # stock row of its dtype) are measured before it; float32_strict (slow on GPUs) comes last.
 POLICIES = {
     "float32": "float32",
+    "keras_mp_float32": "float32",  # the FP32 model with keras_mp's loss
     "stock_mixed_bfloat16": "mixed_bfloat16",
     "keras_mp_mixed_bfloat16": "mixed_bfloat16",
     "stock_mixed_float16": "mixed_float16",
@@ -202,8 +206,9 @@ def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     else:
         kmp, kmp_losses = _keras_mp_api()
-        keep = kmp.DEFAULT_KEEP_FP32 if keep_fp32 is None else keep_fp32
-        model = kmp.convert(model, kmp.Policy(dtype, keep_fp32=keep))
+        if dtype != "float32":
+            keep = kmp.DEFAULT_KEEP_FP32 if keep_fp32 is None else keep_fp32
+            model = kmp.convert(model, kmp.Policy(dtype, keep_fp32=keep))
         loss = kmp_losses.SparseCategoricalCrossentropy(from_logits=True)
         if dtype == "mixed_float16":
             optimizer = kmp.LossScaleOptimizer(optimizer)
@@ -303,7 +308,7 @@ def run_one(
         record["tensor_peak_mib"] = round(tensor_peak / 2**20, 1)
     if intra_op or inter_op:
         record["threads"] = {"intra_op": intra_op, "inter_op": inter_op}
-    if policy.startswith("keras_mp_"):
+    if policy.startswith("keras_mp_") and POLICIES[policy] != "float32":
         record["keep_fp32"] = "default" if keep_fp32 is None else list(keep_fp32)
     scale = getattr(model.optimizer, "dynamic_scale", None)
     if scale is not None:
