@@ -42,16 +42,17 @@ from keras_mp.cli.workloads import WORKLOADS
 __all__ = ["POLICIES", "default_jit", "run_one"]
 
 
-# Policy name -> Keras dtype policy. Order = run order: each row's references (float32, the
-# stock row of its dtype) are measured before it; float32_strict (slow on GPUs) comes last.
+# Policy name -> Keras dtype policy. Order = run order, and priority when a --budget cuts a
+# run short: each row's references (float32, the stock row of its dtype) are measured
+# before it; float32_strict (slow on GPUs) comes last.
 POLICIES = {
     "float32": "float32",
     "keras_mp_float32": "float32",  # the FP32 model with keras_mp's loss
     "stock_mixed_bfloat16": "mixed_bfloat16",
     "keras_mp_mixed_bfloat16": "mixed_bfloat16",
     "stock_mixed_float16": "mixed_float16",
-    "stock_mixed_float16_kmp_scaler": "mixed_float16",  # the loss scaler's overhead alone
     "keras_mp_mixed_float16": "mixed_float16",
+    "stock_mixed_float16_kmp_scaler": "mixed_float16",  # the loss scaler's overhead alone
     "keras_mp_float8": "float8",  # FP8 matmuls over mixed_bfloat16: compared with stock bf16
     "float32_strict": "float32",
 }
