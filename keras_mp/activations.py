@@ -2,7 +2,8 @@
 
 `gelu` is `keras.activations.gelu` (same arguments, same result up to rounding) whose
 TensorFlow version, on float16/bfloat16 tensors outside XLA (of at least
-`keras_mp.tf.activations.MIN_ELEMENTS` values), computes in float32 and keeps
+`keras_mp.tf.activations.MIN_ELEMENTS` values, every axis but the first known when the graph
+is built: see `keras_mp.tf.xla.worth_a_cluster`), computes in float32 and keeps
 only its input for the backward pass (`keras_mp.tf.activations`): on the `cpu_gpt`
 benchmark TF's own GELU in bfloat16 was the costliest element-wise work of the step.
 `keras_mp.convert` gives it to the layers of a low-precision model whose activation is

@@ -243,7 +243,9 @@ class LayerNormalization(keras.layers.LayerNormalization):
     as one XLA cluster each, keeping only the input and two float32 numbers per row for the
     backward pass (Keras' layer keeps float32 copies of the input and of its normalised
     values). Inputs of fewer than `keras_mp.tf.normalization.MIN_ELEMENTS` values, where
-    launching the clusters costs more than it saves, and everything else take Keras' layer.
+    launching the clusters costs more than it saves, inputs with an inner axis unknown when
+    the graph is built (sequences padded per batch: XLA would compile the clusters again for
+    every length), and everything else take Keras' layer.
     `keras_mp.convert` uses it for Keras' `LayerNormalization` under the `"normalization"`
     keep-list entry.
 

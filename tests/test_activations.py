@@ -94,16 +94,32 @@ def test_gelu_tf_kernel_beats_keras_own_bfloat16_gelu_in_accuracy():
     assert ours.mean() < stock.mean()  # rounded once vs after every step
 
 
+def _xla_functions(graph) -> list:
+    """Names of the functions in a TF graph's library that must be compiled by XLA."""
+    return [
+        f.signature.name
+        for f in graph.as_graph_def().library.function
+        if f.attr["_XlaMustCompile"].b
+    ]
+
+
 @pytest.mark.tf_only
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_gelu_in_graphs_with_unknown_shapes_and_under_xla(jit_compile):
+@pytest.mark.parametrize(
+    "jit_compile, shape, kernel",
+    [
+        (False, [None, 3, 4], True),  # an unknown batch axis (`fit`): the kernel
+        (True, [None, 3, 4], False),  # the whole function is XLA: Keras' GELU inside it
+        (False, [None, None, 4], False),  # an unknown inner axis: Keras' ops, no recompiles
+    ],
+)
+def test_gelu_in_graphs_with_unknown_shapes_and_under_xla(jit_compile, shape, kernel):
+    """Right values everywhere; the XLA kernel only where the inner axes are known (an
+    unknown sequence axis would compile it again for every length) and not inside XLA."""
     import tensorflow as tf
 
     x = tf.constant(np.linspace(-4, 4, 24).reshape(2, 3, 4), tf.bfloat16)
 
-    @tf.function(
-        jit_compile=jit_compile, input_signature=[tf.TensorSpec([None, None, 4], tf.bfloat16)]
-    )
+    @tf.function(jit_compile=jit_compile, input_signature=[tf.TensorSpec(shape, tf.bfloat16)])
     def value_and_grad(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -115,6 +131,37 @@ def test_gelu_in_graphs_with_unknown_shapes_and_under_xla(jit_compile):
     want_y, want_dx = _reference(x.numpy().astype(np.float64), False)
     np.testing.assert_allclose(tf.cast(y, tf.float32).numpy(), want_y, rtol=8e-3, atol=1e-3)
     np.testing.assert_allclose(tf.cast(dx, tf.float32).numpy(), want_dx, rtol=8e-3, atol=1e-3)
+    graph = value_and_grad.get_concrete_function().graph
+    nested = [f for f in _xla_functions(graph) if "value_and_grad" not in f]
+    assert len(nested) == (2 if kernel else 0)  # forward and backward clusters
+
+
+@pytest.mark.tf_only
+@pytest.mark.parametrize(
+    "shape, expected",
+    [
+        ((64, 256), True),  # 16384 values = MIN_ELEMENTS
+        ((63, 256), False),  # fewer: TF's kernels are as fast
+        ((None, 256), True),  # unknown batch axis: few distinct values, compiled once each
+        ((None, 4), True),
+        ((8, None, 256), False),  # unknown inner axis: a compile per sequence length
+        ((None, None, 256), False),
+        ((), False),
+    ],
+)
+def test_worth_a_cluster(shape, expected):
+    import tensorflow as tf
+
+    from keras_mp.tf.activations import MIN_ELEMENTS
+    from keras_mp.tf.xla import worth_a_cluster
+
+    spec = tf.TensorSpec(shape, tf.bfloat16)
+    assert worth_a_cluster(spec, MIN_ELEMENTS) is expected
+    inside_xla = tf.function(lambda: worth_a_cluster(spec, MIN_ELEMENTS), jit_compile=True)
+    assert inside_xla.python_function() is expected  # eager: not compiling
+    seen = []
+    tf.function(lambda: seen.append(worth_a_cluster(spec, MIN_ELEMENTS)), jit_compile=True)()
+    assert seen == [False]  # traced for XLA: never a nested cluster
 
 
 def test_gelu_float32_is_keras_gelu_exactly():

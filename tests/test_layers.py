@@ -346,6 +346,20 @@ def test_layer_norm_below_the_kernel_size_is_keras_layer_exactly():
     np.testing.assert_array_equal(_np64(ours(x)), _np64(stock(x)))
 
 
+@pytest.mark.tf_only
+def test_layer_norm_kernel_only_where_inner_axes_are_known():
+    """An unknown batch axis (how `fit` traces its step) takes the kernel; an unknown
+    sequence axis (padding per batch) takes Keras' layer: XLA would compile the kernel again
+    for every new length."""
+    import tensorflow as tf
+
+    ours = kmp_layers.LayerNormalization(dtype="mixed_bfloat16")
+    ours.build((None, None, 512))
+    assert ours._uses_tf_kernel(tf.TensorSpec((None, 256, 512), tf.bfloat16))
+    assert not ours._uses_tf_kernel(tf.TensorSpec((None, None, 512), tf.bfloat16))
+    assert not ours._uses_tf_kernel(tf.TensorSpec((8, None, 512), tf.bfloat16))
+
+
 @pytest.mark.parametrize("policy", ["bfloat16", LOW])
 def test_layer_norm_under_a_pure_policy_matches_keras(policy):
     """Pure float16/bfloat16: the variables are low precision too (used in float32)."""

@@ -38,11 +38,19 @@ def compiling_with_xla() -> bool:
 
 
 def worth_a_cluster(x, min_elements: int) -> bool:
-    """Whether a keras_mp TF kernel should take `x`: not under XLA, and `x` has at least
-    `min_elements` values (or a size unknown when the graph is built).
+    """Whether a keras_mp TF kernel should take `x`: not under XLA, every axis but the
+    first known when the graph is built, and at least `min_elements` values (or an unknown
+    first axis).
 
     Launching an XLA cluster costs tens of microseconds; below a few ten thousand values
-    TensorFlow's own kernels are as fast (see the kernels' `MIN_ELEMENTS`).
+    TensorFlow's own kernels are as fast (see the kernels' `MIN_ELEMENTS`). And XLA compiles
+    a cluster again for every new input shape (about 0.3 s each for a small transformer's
+    layer norms and GELUs): an unknown batch axis takes few values (`fit` traces its step
+    with one: the full batches and the last one), but an unknown inner axis (sequences
+    padded per batch, buckets; Keras relaxes the traced shapes when they keep changing)
+    can take hundreds, so such tensors take TensorFlow's own kernels (BENCHMARKS.md
+    section 8: 38 sequence lengths cost 19.7 s of first steps against stock Keras' 7.3 s
+    before this rule).
 
     Args:
         x: A tensor (or anything with a `shape`).
@@ -52,5 +60,7 @@ def worth_a_cluster(x, min_elements: int) -> bool:
         True when the kernel should be used.
     """
     dims = tuple(x.shape)
-    known = all(d is not None for d in dims)
-    return (not known or math.prod(dims) >= min_elements) and not compiling_with_xla()
+    if any(d is None for d in dims[1:]):
+        return False
+    big = (dims and dims[0] is None) or math.prod(dims) >= min_elements
+    return bool(big) and not compiling_with_xla()
