@@ -307,8 +307,9 @@ def _chunked_case(dtype, rows, classes=300, seed=1):
 @pytest.mark.parametrize("mode", ["eager", "graph_unknown_rows", "xla"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tf_chunked_loss_matches_float64_over_many_chunks(mode, dtype):
-    """22 rows in chunks of 3 (8 chunks, the last one padded), in eager mode, in a graph that
-    does not know the row count, and under XLA: float32 losses within 1e-6 of float64 (also
+    """22 rows (bfloat16 logits: in chunks of 3, 8 chunks, the last one padded; float32
+    logits: one piece), in eager mode, in a graph that does not know the row count, and under
+    XLA: float32 losses within 1e-6 of float64 (also
     where the label's probability underflows: loss 110, gradient -weight at the label), the
     gradient in the logits' dtype within float32 rounding or one bfloat16 ulp of |g| <= 1."""
     import tensorflow as tf
@@ -407,6 +408,36 @@ def test_tf_chunked_loss_keeps_float32_temporaries_to_a_chunk():
     stock = peak(keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None))
     assert ours <= 3.0 and ours <= stock, (ours, stock)
     assert one_chunk >= 3.9, one_chunk
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow kernel")
+def test_tf_loss_on_float32_logits_writes_its_gradient_in_one_piece():
+    """float32 logits (2048 x 8192, 64 MiB): nothing to up-cast, so no chunks: loss and
+    gradient need 2x the logits (the gradient and one softmax) above what is in use before;
+    in chunks they needed 2.9x (the gradient's chunks, then their concatenation)."""
+    import tensorflow as tf
+
+    from keras_mp.tf.losses import sparse_xent_from_logits
+
+    n, v = 2048, 8192
+    z = tf.random.stateless_normal([n, v], seed=[1, 2])
+    y = tf.constant(np.random.default_rng(0).integers(0, v, n), "int32")
+
+    @tf.function
+    def step(z):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            value = tf.reduce_mean(sparse_xent_from_logits(y, z))
+        return value, tape.gradient(value, z)
+
+    step(z)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    value, grad = step(z)
+    peak = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / (n * v * 4)
+    want = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, z)
+    np.testing.assert_allclose(value.numpy(), keras.ops.convert_to_numpy(want), rtol=1e-6)
+    assert grad.dtype == "float32" and peak <= 2.1, peak
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ float32 gradient in the forward pass and keeps it until the backward pass. This 
 
 - up-casts and takes oneDNN's float32 softmax over row chunks of about `chunk_elements`
   values (a `tf.while_loop` running two chunks at a time), so the float32 temporaries are
-  those of two chunks, not of the whole logits tensor;
+  those of two chunks, not of the whole logits tensor (float32 logits need no up-cast and
+  go through in one piece: chunks of the gradient would be assembled into a second buffer);
 - keeps only the logits (in their own dtype) and two float32 numbers per row (the
   log-sum-exp and the label's logit) for the backward pass;
 - recomputes the softmax chunk by chunk in the backward pass and writes the gradient
@@ -47,6 +48,9 @@ def _chunked(fn, dtype, tail, rows, chunks, *tensors):
     two chunks at a time; every tensor has `rows * chunks` rows (XLA: static chunk shapes),
     and `fn` returns rows of shape `tail`."""
     import tensorflow as tf
+
+    if isinstance(chunks, int) and chunks == 1:
+        return tf.reshape(fn(*tensors), [-1, *tail])
 
     def body(i, out):
         # tf.slice with a static size: a dynamic-slice under XLA (t[a:a + rows] is not).
@@ -100,13 +104,19 @@ def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CH
     rows_total = flat_labels.shape[0]  # static when known: no padding, no slicing
     if rows_total is None:
         rows_total = tf.shape(flat_labels)[0]
-    # As many chunks as needed for <= chunk_elements values each, then rows spread evenly
-    # over them: padding (a copy of the logits) only when no such split is exact.
-    most_rows = max(1, chunk_elements // classes)
-    chunks = (rows_total + most_rows - 1) // most_rows
-    chunks = max(chunks, 1) if isinstance(chunks, int) else tf.maximum(chunks, 1)
-    rows = (rows_total + chunks - 1) // chunks
-    padding = chunks * rows - rows_total
+    if logits.dtype == f32:
+        # Nothing to up-cast, so no float32 copies for chunks to bound, and chunks of the
+        # gradient would be assembled into a second buffer: one piece (at 2048 x 8192,
+        # 128 MiB of temporaries with the gradient instead of 248, same speed).
+        chunks, rows, padding = 1, rows_total, 0
+    else:
+        # As many chunks as needed for <= chunk_elements values each, then rows spread
+        # evenly over them: padding (a copy of the logits) only when no split is exact.
+        most_rows = max(1, chunk_elements // classes)
+        chunks = (rows_total + most_rows - 1) // most_rows
+        chunks = max(chunks, 1) if isinstance(chunks, int) else tf.maximum(chunks, 1)
+        rows = (rows_total + chunks - 1) // chunks
+        padding = chunks * rows - rows_total
     index = tf.stack([tf.range(rows_total), flat_labels], axis=1)
 
     # A copy only when the rows are not a whole number of chunks (or not known).
@@ -141,7 +151,7 @@ def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CH
             # folds it), TF's executor may run this loop while the forward loop still runs
             # and hold its result until the backward pass (+30 MiB on cpu_gpt).
             with tf.control_dependencies([upstream, lse]):
-                again = pad(tf.identity(z))
+                again = tf.identity(z)
 
             # The label entries, where softmax - 1 cancels, from the saved float32 numbers.
             at_label = upstream * (tf.exp(picked - lse) - 1.0)
@@ -153,7 +163,7 @@ def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CH
                 # buffer only when nothing else holds it; seen to cost 130 MiB on cpu_gpt).
                 return tf.cast(tf.tensor_scatter_nd_update(dz, where, at_label_c), z.dtype)
 
-            parts = (again, pad(upstream), pad(flat_labels), pad(at_label))
+            parts = (pad(again), pad(upstream), pad(flat_labels), pad(at_label))
             return unpad(_chunked(chunk_grad, z.dtype, (classes,), rows, chunks, *parts))
 
         return losses, grad
