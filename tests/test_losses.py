@@ -373,6 +373,25 @@ def test_tf_chunked_loss_rejects_unknown_class_count():
         tf.function(sparse_xent_from_logits, input_signature=spec).get_concrete_function()
 
 
+def _tf_loss_and_grad_peak(loss, y, z):
+    """(mean loss, its gradient for `z`, TF allocator peak bytes above what was in use
+    before) of a second call of a tf.function computing both (the first one traces)."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(z):
+        with tf.GradientTape() as tape:
+            tape.watch(z)
+            value = tf.reduce_mean(loss(y, z))
+        return value, tape.gradient(value, z)
+
+    step(z)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    value, grad = step(z)
+    return value, grad, tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+
+
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow kernel")
 def test_tf_chunked_loss_keeps_float32_temporaries_to_a_chunk():
     """TF allocator peak (tensors, `get_memory_info`) of loss-and-gradient of bfloat16 logits
@@ -389,19 +408,9 @@ def test_tf_chunked_loss_keeps_float32_temporaries_to_a_chunk():
     y = tf.constant(np.random.default_rng(0).integers(0, v, n), "int32")
 
     def peak(loss):
-        @tf.function
-        def step(z):
-            with tf.GradientTape() as tape:
-                tape.watch(z)
-                value = tf.reduce_mean(loss(y, z))
-            return value, tape.gradient(value, z)
-
-        step(z)
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        value, grad = step(z)
+        value, grad, peak_bytes = _tf_loss_and_grad_peak(loss, y, z)
         assert grad.dtype == "bfloat16" and np.isfinite(value.numpy())
-        return (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / (n * v * 2)
+        return peak_bytes / (n * v * 2)
 
     ours = peak(sparse_xent_from_logits)
     one_chunk = peak(lambda y, z: sparse_xent_from_logits(y, z, chunk_elements=n * v))
@@ -422,19 +431,8 @@ def test_tf_loss_on_float32_logits_writes_its_gradient_in_one_piece():
     n, v = 2048, 8192
     z = tf.random.stateless_normal([n, v], seed=[1, 2])
     y = tf.constant(np.random.default_rng(0).integers(0, v, n), "int32")
-
-    @tf.function
-    def step(z):
-        with tf.GradientTape() as tape:
-            tape.watch(z)
-            value = tf.reduce_mean(sparse_xent_from_logits(y, z))
-        return value, tape.gradient(value, z)
-
-    step(z)
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    value, grad = step(z)
-    peak = (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / (n * v * 4)
+    value, grad, peak_bytes = _tf_loss_and_grad_peak(sparse_xent_from_logits, y, z)
+    peak = peak_bytes / (n * v * 4)
     want = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, z)
     np.testing.assert_allclose(value.numpy(), keras.ops.convert_to_numpy(want), rtol=1e-6)
     assert grad.dtype == "float32" and peak <= 2.1, peak
