@@ -107,7 +107,7 @@ def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CH
     if logits.dtype == f32:
         # Nothing to up-cast, so no float32 copies for chunks to bound, and chunks of the
         # gradient would be assembled into a second buffer: one piece (at 2048 x 8192,
-        # 128 MiB of temporaries with the gradient instead of 248, same speed).
+        # 128 MiB of temporaries with the gradient instead of 184, same speed).
         chunks, rows, padding = 1, rows_total, 0
     else:
         # As many chunks as needed for <= chunk_elements values each, then rows spread
