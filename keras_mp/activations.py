@@ -24,9 +24,6 @@ import keras
 
 __all__ = ["gelu"]
 
-_LOW = ("float16", "bfloat16")
-
-
 @keras.saving.register_keras_serializable(package="keras_mp", name="gelu")
 def gelu(x, approximate: bool = False):
     """Gaussian error linear unit, `x * Phi(x)`, computed in float32 for low-precision `x`.
@@ -45,7 +42,7 @@ def gelu(x, approximate: bool = False):
     ```
     """
     x = keras.ops.convert_to_tensor(x)
-    if keras.backend.backend() == "tensorflow" and keras.backend.standardize_dtype(x.dtype) in _LOW:
+    if keras.backend.backend() == "tensorflow":
         from keras_mp.tf.activations import MIN_ELEMENTS, gelu_float32_math
         from keras_mp.tf.xla import worth_a_cluster
 

@@ -267,15 +267,13 @@ class LayerNormalization(keras.layers.LayerNormalization):
     def _uses_tf_kernel(self, inputs) -> bool:
         if keras.backend.backend() != "tensorflow" or self.rms_scaling:
             return False
-        if self.compute_dtype not in ("float16", "bfloat16"):
-            return False
         rank = len(inputs.shape)
         if [a % rank for a in self.axis] != [rank - 1]:
             return False
         from keras_mp.tf.normalization import MIN_ELEMENTS
         from keras_mp.tf.xla import worth_a_cluster
 
-        return worth_a_cluster(inputs, MIN_ELEMENTS)
+        return worth_a_cluster(inputs, MIN_ELEMENTS, self.compute_dtype)
 
     def call(self, inputs):
         if not self._uses_tf_kernel(inputs):

@@ -150,6 +150,7 @@ def test_gelu_in_graphs_with_unknown_shapes_and_under_xla(jit_compile, shape, ke
     ],
 )
 def test_worth_a_cluster(shape, expected):
+    """Sizes and known axes decide for low-precision tensors; float32 never takes a kernel."""
     import tensorflow as tf
 
     from keras_mp.tf.activations import MIN_ELEMENTS
@@ -157,6 +158,9 @@ def test_worth_a_cluster(shape, expected):
 
     spec = tf.TensorSpec(shape, tf.bfloat16)
     assert worth_a_cluster(spec, MIN_ELEMENTS) is expected
+    assert worth_a_cluster(tf.TensorSpec(shape, tf.float16), MIN_ELEMENTS) is expected
+    assert worth_a_cluster(tf.TensorSpec(shape, tf.float32), MIN_ELEMENTS) is False
+    assert worth_a_cluster(tf.TensorSpec(shape, tf.float32), MIN_ELEMENTS, "bfloat16") is expected
     inside_xla = tf.function(lambda: worth_a_cluster(spec, MIN_ELEMENTS), jit_compile=True)
     assert inside_xla.python_function() is expected  # eager: not compiling
     seen = []

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import math
 
+import keras
+
 __all__ = ["compiling_with_xla", "worth_a_cluster"]
+
+_LOW_PRECISION = ("float16", "bfloat16")
 
 
 def compiling_with_xla() -> bool:
@@ -37,10 +41,10 @@ def compiling_with_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
 
 
-def worth_a_cluster(x, min_elements: int) -> bool:
-    """Whether a keras_mp TF kernel should take `x`: not under XLA, every axis but the
-    first known when the graph is built, and at least `min_elements` values (or an unknown
-    first axis).
+def worth_a_cluster(x, min_elements: int, dtype=None) -> bool:
+    """Whether a keras_mp TF kernel (float32 math for low-precision tensors) should take
+    `x`: computed in float16/bfloat16, not under XLA, every axis but the first known when
+    the graph is built, and at least `min_elements` values (or an unknown first axis).
 
     Launching an XLA cluster costs tens of microseconds; below a few ten thousand values
     TensorFlow's own kernels are as fast (see the kernels' `MIN_ELEMENTS`). And XLA compiles
@@ -53,12 +57,15 @@ def worth_a_cluster(x, min_elements: int) -> bool:
     before this rule).
 
     Args:
-        x: A tensor (or anything with a `shape`).
+        x: A tensor (or anything with a `shape` and a `dtype`).
         min_elements: The smallest size worth a cluster.
+        dtype: The dtype the kernel would compute in; default: `x.dtype`.
 
     Returns:
         True when the kernel should be used.
     """
+    if keras.backend.standardize_dtype(dtype or x.dtype) not in _LOW_PRECISION:
+        return False
     dims = tuple(x.shape)
     if any(d is None for d in dims[1:]):
         return False
