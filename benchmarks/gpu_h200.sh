@@ -12,7 +12,7 @@
 # Order = priority: the GPT workload under every policy (one harness invocation, so the
 # speedups vs float32 and vs stock Keras are side by side; stock_mixed_float16_kmp_scaler is
 # stock FP16 with keras_mp's loss scaler: the scaler's own cost), then ResNet-50, then the
-# PyTorch AMP anchor (torch.compile, bf16), then the compile-only logits-memory analysis. Each harness invocation starts no configuration once its
+# PyTorch AMP anchor (torch.compile, bf16), then the compile-only memory analysis of the step. Each harness invocation starts no configuration once its
 # --budget is spent; TOTAL_BUDGET (seconds) bounds the whole script.
 set -u
 OUT=${OUT:-runs/gpu}
@@ -60,10 +60,12 @@ if [ "$(left)" -gt 60 ] && $PY -c "import torch; assert torch.cuda.is_available(
 else
   echo "torch anchor skipped: $(left) s left or no CUDA torch" | tee -a "$OUT/log.txt"
 fi
-# Compile-only XLA:GPU buffer assignment of the logits region (projection + loss + grads at
-# the GPT size: stock bf16 + Keras loss, FP32 head, keras_mp fused loss): seconds, no run.
-if [ "$(left)" -gt 30 ]; then
-  timeout "$(left)" $PY benchmarks/xla_memory.py --models "$GPT_MODEL" --logits --no-steps \
+# Compile-only XLA:GPU buffer assignment of the GPT step on this GPU (stock and keras_mp
+# bf16), to set beside the peaks measured above: calibrates the estimates that
+# `xla_memory.py --target h200` gives without a GPU (BENCHMARKS.md section 9).
+if [ "$(left)" -gt 60 ]; then
+  timeout "$(left)" $PY benchmarks/xla_memory.py --models "$GPT_MODEL" \
+    --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16 \
     --out "$OUT/xla_memory.jsonl" 2>&1 | grep '^{' | tee -a "$OUT/log.txt"
 fi
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/log.txt"

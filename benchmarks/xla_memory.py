@@ -6,17 +6,28 @@ sizes of issue 8 on a CPU. It prints one JSON line per configuration:
 
 - `step`: the whole `model.train_step` (weights, optimizer slots and batch as abstract
   arguments, buffers donated as `model.fit` does) of a workload under a harness policy.
+  With each record, the kernels of the compiled step and the bytes they move
+  (`benchmarks/hlo_traffic.py`).
 - `logits`: only the vocabulary projection plus the loss and their gradients, for the
   GPT workload: `stock` (bfloat16 Dense + Keras' loss, which up-casts the logits), `fp32_head`
   (the "usual advice": the projection in float32, then Keras' loss) and `keras_mp`
   (bfloat16 projection + `kmp.losses.SparseCategoricalCrossentropy`, fused).
 
 Numbers are the compiling backend's: XLA:CPU materialises some tensors that XLA:GPU fuses
-and schedules differently, so absolute bytes differ from a GPU's peak; differences between
-recipes compiled by the same backend are what this measures.
+and schedules differently, so its bytes differ from a GPU's. `--target h200` compiles for an
+H200 without one: XLA:GPU's own compiler (the `jax[cuda12]` plugin must be installed; no
+GPU, driver or autotuning needed) given the device description `benchmarks/h200.txtpb`.
+That is the buffer assignment the GPU would run, and `peak_estimate_gib` (arguments +
+temporaries + outputs not aliased to arguments) is what it allocates for the step; the
+runtime adds cuDNN workspaces, the batch, and the allocator's rounding. Keras decides flash
+attention by querying the local GPU; compiled without one, the script answers as an H200
+would (`--flash on`, the default with a target: cuDNN 9 on compute capability 9.0).
 
     KERAS_BACKEND=jax python benchmarks/xla_memory.py --models gpt \
         --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16 --logits
+    pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
+    python benchmarks/xla_memory.py --target h200 --models gpt \
+        --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16
 """
 
 from __future__ import annotations
@@ -28,26 +39,85 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from hlo_traffic import kernel_traffic  # noqa: E402
 
 GIB = 2**30
+TARGETS = {"h200": os.path.join(HERE, "h200.txtpb")}
+
+
+def target_sharding(target: str):
+    """A compile-only device of an XLA:GPU `target` (a name in `TARGETS` or a .txtpb path)."""
+    import jax
+    from jax.experimental import topologies
+
+    path = TARGETS.get(target, target)
+    with open(path) as f:
+        config = f.read()
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology_name="", topology="1x1x1", target_config=config
+        )
+    except Exception as error:  # jax.errors.JaxRuntimeError, NotImplementedError, ...
+        raise SystemExit(
+            f"--target {target}: cannot compile for XLA:GPU here ({error}); install the "
+            f"plugin: pip install 'jax[cuda12]=={jax.__version__}'"
+        ) from error
+    return jax.sharding.SingleDeviceSharding(topology.devices[0])
+
+
+def _answer_flash_attention_as_a_gpu() -> None:
+    """Keras' JAX backend enables cuDNN flash attention where the local GPU supports it;
+    with no local GPU, answer for the target (compute capability >= 8.0, cuDNN >= 9)."""
+    from keras.src.backend.jax import nn as jax_nn
+
+    jax_nn._can_use_flash_attention = lambda *args, raise_error=False, **kwargs: True
+
+
+def _abstract(tree, sharding):
+    import jax
+
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+    )
 
 
 def _analysis(compiled) -> dict:
+    text = compiled.as_text()
+    traffic = kernel_traffic(text)
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    peak = (
+        memory.argument_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+    )
     return {
+        "peak_estimate_gib": round(peak / GIB, 3),
         "temp_gib": round(memory.temp_size_in_bytes / GIB, 3),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),
-        "xla_flops": float((cost or {}).get("flops", 0.0)),
+        "xla_flops": float(cost["flops"]) if "flops" in cost else None,  # None: XLA:GPU
+        "flash_attention_calls": text.count("__cudnn$fmha"),
+        # Kernels and GiB each reads + writes (benchmarks/hlo_traffic.py): element-wise
+        # work runs at memory speed on a GPU, so `traffic_gib["other"]` / bandwidth
+        # bounds its time from below.
+        "kernels": {kind: traffic[kind]["kernels"] for kind in ("gemm", "attention", "other")},
+        "traffic_gib": {kind: traffic[kind]["gib"] for kind in ("gemm", "attention", "other")},
+        "copies": traffic["copies"],
+        "conditionals": traffic["conditionals"],
     }
 
 
-def step_record(model_name: str, policy: str, keep_fp32=None) -> dict:
-    """Compiles (does not run) one train step of `model_name` under a harness `policy`."""
+def step_record(model_name: str, policy: str, keep_fp32=None, sharding=None) -> dict:
+    """Compiles (does not run) one train step of `model_name` under a harness `policy`
+    (for the device of `sharding`; default: the local one)."""
     import jax
     import numpy as np
 
@@ -66,8 +136,8 @@ def step_record(model_name: str, policy: str, keep_fp32=None) -> dict:
         optimizer_variables=True,
         metrics_variables=True,
     )
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    data = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype), None)
+    abstract = _abstract(state, sharding)
+    data = (*_abstract((x, y), sharding), None)
     compiled = jax.jit(model.train_step, donate_argnums=0).lower(abstract, data).compile()
     return {
         "kind": "step",
@@ -79,7 +149,7 @@ def step_record(model_name: str, policy: str, keep_fp32=None) -> dict:
     }
 
 
-def logits_records(model_name: str = "gpt") -> list:
+def logits_records(model_name: str = "gpt", sharding=None) -> list:
     """The vocabulary projection + loss + gradients of a GPT workload, three recipes."""
     import jax
     import jax.numpy as jnp
@@ -106,9 +176,9 @@ def logits_records(model_name: str = "gpt") -> list:
         "keras_mp": recipe(jnp.bfloat16, ours_loss),
     }
     args = (
-        jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((d, vocab), jnp.float32),
-        jax.ShapeDtypeStruct((tokens,), jnp.int32),
+        jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16, sharding=sharding),
+        jax.ShapeDtypeStruct((d, vocab), jnp.float32, sharding=sharding),
+        jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=sharding),
     )
     records = []
     for name, f in recipes.items():
@@ -135,23 +205,49 @@ def main(argv=None) -> int:
     parser.add_argument("--logits", action="store_true", help="also the logits-region records")
     parser.add_argument("--no-steps", action="store_true", help="only the logits records")
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="compile for this GPU instead of the local device: h200 or a GpuTargetConfig "
+        ".txtpb (needs the jax[cuda12] plugin, no GPU)",
+    )
+    parser.add_argument(
+        "--flash",
+        choices=("auto", "on"),
+        default=None,
+        help="Keras' flash-attention check: auto (ask the local device) or on (as a GPU "
+        "with cuDNN 9 would answer); default: on with --target, else auto",
+    )
     args = parser.parse_args(argv)
+    if args.target:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the host runs Keras; XLA:GPU only compiles
     import jax
     import keras
 
     if keras.backend.backend() != "jax":
         print("xla_memory.py needs KERAS_BACKEND=jax", file=sys.stderr)
         return 2
+    sharding = target_sharding(args.target) if args.target else None
+    flash = args.flash or ("on" if args.target else "auto")
+    if flash == "on":
+        _answer_flash_attention_as_a_gpu()
     keep = None if args.keep_fp32 is None else tuple(args.keep_fp32.split(","))
     records = []
     for model_name in args.models.split(","):
         if args.logits and model_name.endswith("gpt"):
-            records += logits_records(model_name)
+            records += logits_records(model_name, sharding)
         if not args.no_steps:
-            records += [step_record(model_name, p, keep) for p in args.policies.split(",")]
-    device = str(jax.devices()[0].device_kind)
+            records += [
+                step_record(model_name, p, keep, sharding) for p in args.policies.split(",")
+            ]
+    if sharding is not None:
+        device = f"{args.target} (compile only: {sharding.device_set.pop().device_kind})"
+    else:
+        device = str(jax.devices()[0].device_kind)
     for record in records:
-        record.update(device=device, jax=jax.__version__, keras=keras.__version__)
+        record.update(
+            device=device, flash=flash, jax=jax.__version__, keras=keras.__version__
+        )
         line = json.dumps(record)
         print(line, flush=True)
         if args.out:

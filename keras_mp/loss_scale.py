@@ -392,15 +392,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             state = self._read_state()
             step = self._step_index()
             unscaled = self._unscale(grads, self._trainable_variables, state.scale)
-            new_trainable, new_inner = ops.cond(
-                finite,
-                lambda: tuple(
-                    self.inner_optimizer.stateless_apply(
-                        inner_values, unscaled, trainable_variables
-                    )
-                ),
-                lambda: (list(trainable_variables), list(inner_values)),
+            applied_trainable, applied_inner = self.inner_optimizer.stateless_apply(
+                inner_values, unscaled, trainable_variables
             )
+
+            # A skipped step keeps every weight and slot: a select, not a branch. XLA fuses
+            # the select into the update's kernels, while a conditional whose skip branch
+            # passes the state through costs, on XLA:GPU, a copy of every weight and slot
+            # per step and keeps the unscaling out of the update's kernels
+            # (BENCHMARKS.md section 9).
+            def keep_if_skipped(applied, before):
+                return [ops.where(finite, a, b) for a, b in zip(applied, before)]
+
+            new_trainable = keep_if_skipped(applied_trainable, trainable_variables)
+            new_inner = keep_if_skipped(applied_inner, inner_values)
             self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
             new_own = [scope.get_current_value(v) for v in self._variables]
         return list(new_trainable), new_own + list(new_inner)

@@ -1,4 +1,4 @@
-"""keras_mp.activations.gelu: Keras' GELU, with a float32-math TF kernel for low precision."""
+"""keras_mp.activations.gelu: float32 math for low precision, keeping only its input."""
 
 import math
 
@@ -11,6 +11,7 @@ import keras_mp as kmp
 from keras_mp.activations import gelu
 
 X = np.linspace(-9.0, 9.0, 2**14 + 1)  # enough values for the TF kernel (MIN_ELEMENTS)
+BF16 = ml_dtypes.bfloat16
 
 
 def _reference(x: np.ndarray, approximate: bool):
@@ -63,35 +64,61 @@ def test_gelu_value_and_gradient_within_one_ulp_of_float64(dtype, approximate):
     assert keras.backend.standardize_dtype(dx.dtype) == dtype
     y_err = _ulps(keras.ops.convert_to_numpy(keras.ops.cast(y, "float32")), want_y, np_dtype)
     dx_err = _ulps(keras.ops.convert_to_numpy(keras.ops.cast(dx, "float32")), want_dx, np_dtype)
-    if keras.backend.backend() == "tensorflow":
-        # float32 math rounded once: within one unit of the float64 value (a second
-        # rounding of the float32 result to the dtype can land one unit away).
-        assert y_err.max() <= 1.0, y_err.max()
-        assert dx_err.max() <= 1.0, dx_err.max()
-    else:  # Keras' own GELU, in the dtype
-        stock_y, stock_dx = _value_and_grad(
-            lambda t: keras.activations.gelu(t, approximate),
-            keras.ops.convert_to_tensor(x_low),
-            keras.ops.convert_to_tensor(upstream_low),
-        )
-        for got, want in ((y, stock_y), (dx, stock_dx)):
-            np.testing.assert_array_equal(
-                keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")),
-                keras.ops.convert_to_numpy(keras.ops.cast(want, "float32")),
-            )
+    # float32 math rounded once: within one unit of the float64 value (a second rounding of
+    # the float32 result to the dtype can land one unit away).
+    assert y_err.max() <= 1.0, y_err.max()
+    assert dx_err.max() <= 1.0, dx_err.max()
 
 
-@pytest.mark.tf_only
-def test_gelu_tf_kernel_beats_keras_own_bfloat16_gelu_in_accuracy():
-    import tensorflow as tf
-
-    x = tf.constant(X, tf.bfloat16)
+def test_gelu_beats_keras_own_bfloat16_gelu_in_accuracy():
+    x = keras.ops.convert_to_tensor(X.astype(ml_dtypes.bfloat16))
     want, _ = _reference(X.astype(ml_dtypes.bfloat16).astype(np.float64), False)
-    ours = _ulps(tf.cast(gelu(x), tf.float32).numpy(), want, ml_dtypes.bfloat16)
-    stock = _ulps(
-        tf.cast(keras.activations.gelu(x), tf.float32).numpy(), want, ml_dtypes.bfloat16
-    )
-    assert ours.mean() < stock.mean()  # rounded once vs after every step
+
+    def ulps(y):
+        return _ulps(keras.ops.convert_to_numpy(keras.ops.cast(y, "float32")), want, BF16)
+
+    ours, stock = ulps(gelu(x)), ulps(keras.activations.gelu(x))
+    assert ours.mean() < 0.6 * stock.mean()  # rounded once vs after every step
+    assert ours.max() <= 1.0 < stock.max()
+
+
+def _ffn_loss(activation):
+    """A bfloat16 FFN (matmul, activation, matmul) summed to a float32 scalar."""
+    import jax.numpy as jnp
+
+    def loss(x, w_in, w_out):
+        return jnp.sum((activation(x @ w_in) @ w_out).astype(jnp.float32))
+
+    return loss
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX autodiff and XLA")
+def test_jax_gelu_keeps_only_its_input_for_the_backward_pass(capsys):
+    """Keras' GELU keeps three tensors of the input's size for its gradient; ours keeps the
+    input alone, and XLA does not trade it for a float32 copy (it would without the
+    optimization barrier: 11.1 against 7.0 units of temporaries on this FFN)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import print_saved_residuals
+
+    h = jnp.ones((8, 16), jnp.bfloat16)
+    print_saved_residuals(gelu, h)
+    ours = capsys.readouterr().out.strip().splitlines()
+    print_saved_residuals(keras.activations.gelu, h)
+    stock = capsys.readouterr().out.strip().splitlines()
+    assert ours == ["bf16[8,16] from the argument x"], ours
+    assert len([line for line in stock if line.startswith("bf16[8,16]")]) == 3, stock
+
+    n, d, f = 4096, 256, 1024
+    args = [
+        jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((n, d), (d, f), (f, d))
+    ]
+
+    def temporaries(activation):
+        step = jax.jit(jax.grad(_ffn_loss(activation), argnums=(0, 1, 2)))
+        return step.lower(*args).compile().memory_analysis().temp_size_in_bytes / (n * f * 2)
+
+    assert temporaries(gelu) <= 1.05 * temporaries(keras.activations.gelu)
 
 
 def _xla_functions(graph) -> list:
@@ -186,7 +213,8 @@ def _ffn_model(seq=6, features=8, width=16):
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
 
 
-def test_gelu_takes_keras_gelu_below_the_kernel_size():
+@pytest.mark.tf_only
+def test_gelu_takes_keras_gelu_below_the_tf_kernel_size():
     x = keras.ops.cast(keras.ops.convert_to_tensor(X[:4096].astype("float32")), "bfloat16")
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(keras.ops.cast(gelu(x), "float32")),

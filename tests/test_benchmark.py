@@ -212,13 +212,7 @@ def test_scaler_only_row_is_compared_with_stock_float16():
 def test_xla_memory_script_compiles_without_running(tmp_path, capsys):
     """benchmarks/xla_memory.py at test sizes: one record per configuration; the fused
     keras_mp loss needs less temporary memory than Keras' loss on the same bfloat16 logits."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "xla_memory.py"
-    spec = importlib.util.spec_from_file_location("xla_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _xla_memory_module()
     out = tmp_path / "mem.jsonl"
     argv = ["--models", "tiny_gpt", "--policies", "stock_mixed_bfloat16,keras_mp_mixed_bfloat16",
             "--logits", "--out", str(out)]
@@ -230,6 +224,118 @@ def test_xla_memory_script_compiles_without_running(tmp_path, capsys):
     assert logits["keras_mp"]["temp_bytes"] < logits["stock"]["temp_bytes"]
     assert [r["policy"] for r in steps] == ["stock_mixed_bfloat16", "keras_mp_mixed_bfloat16"]
     assert all(r["xla_flops"] > 0 and r["argument_bytes"] > 0 for r in steps)
+
+
+def _xla_memory_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "xla_memory.py"
+    spec = importlib.util.spec_from_file_location("xla_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hlo_traffic_counts_kernels_bytes_and_the_costliest_branch():
+    """Bytes per kernel = operands + output; a conditional counts its costliest branch."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "hlo_traffic.py"
+    spec = importlib.util.spec_from_file_location("hlo_traffic", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    mib = 2**20 // 4  # f32 elements in a MiB
+    hlo = f"""HloModule m
+
+%skip (p: (f32[{mib}])) -> (f32[{mib}]) {{
+  %p = (f32[{mib}]) parameter(0)
+  %g = f32[{mib}]{{0}} get-tuple-element(%p), index=0
+  %c = f32[{mib}]{{0}} copy(%g)
+  ROOT %t = (f32[{mib}]) tuple(%c)
+}}
+
+%apply (p: (f32[{mib}])) -> (f32[{mib}]) {{
+  %p = (f32[{mib}]) parameter(0)
+  %g = f32[{mib}]{{0}} get-tuple-element(%p), index=0
+  %loop_fusion = f32[{mib}]{{0}} fusion(%g, %g), kind=kLoop, calls=%f
+  ROOT %t = (f32[{mib}]) tuple(%loop_fusion)
+}}
+
+ENTRY %main (a: f32[{mib}], b: bf16[1024,512], w: bf16[512,1024], k: pred[]) -> f32[{mib}] {{
+  %a = f32[{mib}]{{0}} parameter(0)
+  %b = bf16[1024,512]{{1,0}} parameter(1)
+  %w = bf16[512,1024]{{1,0}} parameter(2)
+  %k = pred[] parameter(3)
+  %gemm_fusion_dot = bf16[1024,1024]{{1,0}} fusion(%b, %w), kind=kCustom, calls=%d
+  %tup = (f32[{mib}]) tuple(%a)
+  %cond = (f32[{mib}]) conditional(%k, %tup, %tup), true_computation=%apply, false_computation=%skip
+  ROOT %r = f32[{mib}]{{0}} get-tuple-element(%cond), index=0
+}}
+"""
+    traffic = module.kernel_traffic(hlo)
+    assert traffic["gemm"] == {"kernels": 1, "gib": round(4 / 1024, 3)}  # 1 + 1 + 2 MiB
+    assert traffic["other"] == {"kernels": 1, "gib": round(3 / 1024, 3)}  # the apply branch
+    assert traffic["attention"] == {"kernels": 0, "gib": 0.0}
+    assert traffic["conditionals"] == 1 and traffic["copies"] == 0
+
+
+def _has_xla_gpu_compiler() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+        return False
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA analysis through JAX")
+def test_xla_memory_target_needs_the_gpu_compiler_or_says_so(tmp_path):
+    """`--target h200` compiles for XLA:GPU without a GPU; without JAX's CUDA plugin it
+    stops with a message that names the plugin, and a target file that does not parse is
+    named too."""
+    module = _xla_memory_module()
+    argv = ["--target", "h200", "--models", "tiny_gpt", "--policies", "float32"]
+    if not _has_xla_gpu_compiler():
+        with pytest.raises(SystemExit, match=r"jax\[cuda12\]"):
+            module.main(argv)
+    bad = tmp_path / "bad.txtpb"
+    bad.write_text("gpu_device_info { core_countx: 1 }\n")
+    with pytest.raises(SystemExit, match="cannot compile for XLA:GPU"):
+        module.target_sharding(str(bad))
+    with pytest.raises(FileNotFoundError):
+        module.target_sharding(str(tmp_path / "missing.txtpb"))
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax" or not _has_xla_gpu_compiler(),
+    reason="needs JAX's CUDA plugin (XLA:GPU compiles without a GPU); not in CI",
+)
+def test_xla_memory_compiles_for_an_h200_without_one(tmp_path):
+    """The small GPT, for the H200: cuDNN flash attention in the step (as Keras chooses on
+    that GPU); keras_mp's step needs a third less temporary memory than stock Keras' (191
+    vs 129 MB: its GELU keeps one input-sized tensor for the backward pass, not three) and
+    moves less; and keras_mp's loss scaler costs what Keras' does: no conditional, no copy
+    of the weights, the same bytes (it was 216 copies and +16% of element-wise traffic)."""
+    module = _xla_memory_module()
+    out = tmp_path / "h200.jsonl"
+    policies = ["stock_mixed_bfloat16", "keras_mp_mixed_bfloat16", "stock_mixed_float16",
+                "stock_mixed_float16_kmp_scaler"]
+    argv = ["--target", "h200", "--models", "cpu_gpt", "--out", str(out),
+            "--policies", ",".join(policies)]
+    assert module.main(argv) == 0
+    rows = {r["policy"]: r for r in map(json.loads, out.read_text().splitlines())}
+    stock, ours = rows["stock_mixed_bfloat16"], rows["keras_mp_mixed_bfloat16"]
+    assert stock["device"] == ours["device"] == "h200 (compile only: NVIDIA H200)"
+    assert stock["flash_attention_calls"] == ours["flash_attention_calls"] == 8  # 4 layers
+    assert ours["temp_bytes"] < 0.75 * stock["temp_bytes"]
+    assert ours["traffic_gib"]["other"] < stock["traffic_gib"]["other"]
+    keras_scaler, kmp_scaler = rows["stock_mixed_float16"], rows["stock_mixed_float16_kmp_scaler"]
+    assert kmp_scaler["conditionals"] == keras_scaler["conditionals"] == 0
+    assert kmp_scaler["copies"] <= keras_scaler["copies"] + 2
+    assert kmp_scaler["traffic_gib"]["other"] <= 1.01 * keras_scaler["traffic_gib"]["other"]
+    assert kmp_scaler["kernels"]["other"] <= keras_scaler["kernels"]["other"] + 8
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's profiler")

@@ -414,3 +414,23 @@ def test_apply_in_a_custom_loop_on_every_backend():
     np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [0.5, 0.5])
     assert float(opt.loss_scale) == 2.0 and int(opt.iterations) == 1
     assert int(opt.skipped_steps) == 1 and int(opt.last_overflow_step) == 1
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the JAX train step as XLA compiles it")
+def test_jax_step_skips_with_a_select_not_a_conditional():
+    """On JAX a skipped step keeps the weights and slots by a select that XLA fuses into the
+    update. A conditional whose skip branch passes them through stays a conditional in
+    XLA (an empty branch is "faster than a select"), and on XLA:GPU its outputs were
+    copied into the step's: every weight and slot each step (BENCHMARKS.md section 9)."""
+    import re
+
+    import jax
+
+    weights = [keras.Variable(np.ones(shape, "float32")) for shape in ((16, 32), (32,), (4,))]
+    opt = kmp.LossScaleOptimizer(keras.optimizers.AdamW(1e-3))
+    opt.build(weights)
+    step = jax.jit(opt.stateless_apply, donate_argnums=(0, 2))
+    values = [w.value for w in weights]
+    lowered = step.lower([v.value for v in opt.variables], values, values)
+    text = lowered.compile().as_text()
+    assert not re.search(r" conditional\(", text)

@@ -37,43 +37,22 @@ MIN_ELEMENTS = 2**14
 """Smallest tensor `keras_mp.activations.gelu` sends here: forward + backward of n x 64
 bfloat16 values took 0.39 vs TF's 0.33 ms at 4096 values, 0.37 vs 0.55 ms at 16384."""
 
-_SQRT_HALF = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_OVER_PI = 0.7978845608028654
-_TANH_CUBIC = 0.044715
-
 
 @functools.cache
 def _kernels(approximate: bool):
     """The forward and backward GELU kernels, each one XLA cluster (`jit_compile=True`)."""
     import tensorflow as tf
 
-    f32 = tf.float32
-
-    def inner(xf):
-        return _SQRT_2_OVER_PI * (xf + _TANH_CUBIC * xf * tf.square(xf))
+    from keras_mp.activations import _gelu_float32, _gelu_slope_float32
 
     @tf.function(jit_compile=True, autograph=False)
     def forward(x):
-        xf = tf.cast(x, f32)
-        if approximate:  # 0.5 * (1 + tanh(u)) = sigmoid(2u): no cancellation for x << 0
-            y = xf * tf.sigmoid(2.0 * inner(xf))
-        else:
-            y = 0.5 * xf * tf.math.erfc(-_SQRT_HALF * xf)
-        return tf.cast(y, x.dtype)
+        return tf.cast(_gelu_float32(tf.cast(x, tf.float32), approximate), x.dtype)
 
     @tf.function(jit_compile=True, autograph=False)
     def backward(x, upstream):
-        # d/dx [x * Phi(x)] = Phi(x) + x * Phi'(x), Phi the (approximate) normal CDF.
-        xf = tf.cast(x, f32)
-        if approximate:
-            cdf = tf.sigmoid(2.0 * inner(xf))
-            inner_slope = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * tf.square(xf))
-            slope = cdf + xf * (2.0 * cdf * (1.0 - cdf)) * inner_slope
-        else:
-            cdf = 0.5 * tf.math.erfc(-_SQRT_HALF * xf)
-            slope = cdf + xf * (_INV_SQRT_2PI * tf.exp(-0.5 * tf.square(xf)))
-        return tf.cast(tf.cast(upstream, f32) * slope, x.dtype)
+        slope = _gelu_slope_float32(tf.cast(x, tf.float32), approximate)
+        return tf.cast(tf.cast(upstream, tf.float32) * slope, x.dtype)
 
     return forward, backward
 

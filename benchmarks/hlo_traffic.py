@@ -1,0 +1,127 @@
+"""Kernels of a compiled XLA module and the bytes each one reads and writes.
+
+Element-wise work on a GPU runs at memory speed: the bytes its kernels move, over the
+memory bandwidth (4.8 TB/s on an H200), bound its time from below. This reads the optimized
+HLO text of a compiled step (`compiled.as_text()`) and counts, for each top-level kernel
+(fusion, custom call, copy, ...), its operands' and its output's bytes, by kind:
+`gemm` (matmuls: cuBLAS or Triton GEMM fusions), `attention` (cuDNN flash attention) and
+`other` (everything else: element-wise and reduction fusions, copies). A `conditional`
+counts its costliest branch, a `while` its body once. Numbers are upper bounds for kernels
+that read only part of an operand (a dynamic slice), and ignore caches.
+
+Example:
+
+```python
+traffic = kernel_traffic(jax.jit(step).lower(*args).compile().as_text())
+traffic["other"]["gib"], traffic["other"]["kernels"], traffic["copies"]
+```
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["kernel_traffic"]
+
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+    "f32": 4, "s32": 4, "u32": 4,
+    "f64": 8, "s64": 8, "u64": 8,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(.*)$")
+_CALLEES = re.compile(
+    r"branch_computations=\{[^}]*\}|true_computation=%[\w.\-]+, false_computation=%[\w.\-]+"
+    r"|body=%[\w.\-]+|to_apply=%[\w.\-]+"
+)
+_FREE = {
+    "parameter", "tuple", "get-tuple-element", "bitcast", "constant", "opt-barrier",
+    "after-all", "partition-id", "replica-id",
+}  # fmt: skip
+_KINDS = ("gemm", "attention", "other")
+
+
+def _nbytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += count * _BYTES[dtype]
+    return total
+
+
+def _computations(text: str) -> tuple[dict, str]:
+    bodies, entry, name = {}, None, None
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            name = header.group(2)
+            bodies[name] = []
+            entry = name if header.group(1) else entry
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            bodies[name].append(line)
+    return bodies, entry
+
+
+def _kind(name: str, rest: str) -> str:
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    target = target.group(1) if target else ""
+    if "fmha" in target:
+        return "attention"
+    if name.startswith(("gemm_fusion", "cublas")) or "gemm" in target or "Matmul" in target:
+        return "gemm"
+    return "other"
+
+
+def _count(bodies: dict, computation: str) -> dict:
+    totals = {kind: [0, 0] for kind in _KINDS} | {"copies": 0, "conditionals": 0}
+    sizes = {}
+    for line in bodies[computation]:
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, shape, opcode, operands, rest = match.groups()
+        sizes[name] = _nbytes(shape)
+        if opcode in _FREE:
+            continue
+        if opcode in ("conditional", "while", "call"):
+            callees = re.findall(r"%([\w.\-]+)", _CALLEES.search(rest).group(0))
+            inner = max(
+                (_count(bodies, c) for c in callees),
+                key=lambda t: sum(t[k][1] for k in _KINDS),
+            )
+            for key, value in inner.items():
+                if key in _KINDS:
+                    totals[key] = [a + b for a, b in zip(totals[key], value)]
+                else:
+                    totals[key] += value
+            totals["conditionals"] += opcode == "conditional"
+            continue
+        read = sum(sizes.get(o.strip().lstrip("%"), 0) for o in operands.split(","))
+        kind = _kind(name, rest)
+        totals[kind][0] += 1
+        totals[kind][1] += read + sizes[name]
+        totals["copies"] += opcode == "copy"
+    return totals
+
+
+def kernel_traffic(hlo_text: str) -> dict:
+    """Kernels and bytes moved by a compiled module, by kind.
+
+    Args:
+        hlo_text: The optimized HLO of a compiled computation (`compiled.as_text()`).
+
+    Returns:
+        `{"gemm" | "attention" | "other": {"kernels": int, "gib": float}, "copies": int,
+        "conditionals": int}`: kernel counts and GiB read + written per execution, with
+        each conditional's costliest branch.
+    """
+    bodies, entry = _computations(hlo_text)
+    totals = _count(bodies, entry)
+    out = {k: {"kernels": totals[k][0], "gib": round(totals[k][1] / 2**30, 3)} for k in _KINDS}
+    out.update(copies=totals["copies"], conditionals=totals["conditionals"])
+    return out
