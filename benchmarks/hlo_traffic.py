@@ -4,8 +4,9 @@ Element-wise work on a GPU runs at memory speed: the bytes its kernels move, ove
 memory bandwidth (4.8 TB/s on an H200), bound its time from below. This reads the optimized
 HLO text of a compiled step (`compiled.as_text()`) and counts, for each top-level kernel
 (fusion, custom call, copy, ...), its operands' and its output's bytes, by kind:
-`gemm` (matmuls: cuBLAS or Triton GEMM fusions), `attention` (cuDNN flash attention) and
-`other` (everything else: element-wise and reduction fusions, copies). A `conditional`
+`gemm` (matmuls: cuBLAS or Triton GEMM fusions), `conv` (cuDNN convolutions), `attention`
+(cuDNN flash attention) and `other` (everything else: element-wise and reduction fusions,
+copies). A `conditional`
 counts its costliest branch, a `while` its body once. Numbers are upper bounds for kernels
 that read only part of an operand (a dynamic slice), and ignore caches.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["kernel_traffic"]
+__all__ = ["KINDS", "kernel_traffic"]
 
 _BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -39,7 +40,7 @@ _FREE = {
     "parameter", "tuple", "get-tuple-element", "bitcast", "constant", "opt-barrier",
     "after-all", "partition-id", "replica-id",
 }  # fmt: skip
-_KINDS = ("gemm", "attention", "other")
+KINDS = ("gemm", "conv", "attention", "other")
 
 
 def _nbytes(shape: str) -> int:
@@ -72,13 +73,15 @@ def _kind(name: str, rest: str) -> str:
     target = target.group(1) if target else ""
     if "fmha" in target:
         return "attention"
+    if "cudnn$conv" in target:
+        return "conv"
     if name.startswith(("gemm_fusion", "cublas")) or "gemm" in target or "Matmul" in target:
         return "gemm"
     return "other"
 
 
 def _count(bodies: dict, computation: str) -> dict:
-    totals = {kind: [0, 0] for kind in _KINDS} | {"copies": 0, "conditionals": 0}
+    totals = {kind: [0, 0] for kind in KINDS} | {"copies": 0, "conditionals": 0}
     sizes = {}
     for line in bodies[computation]:
         match = _INSTRUCTION.match(line)
@@ -92,10 +95,10 @@ def _count(bodies: dict, computation: str) -> dict:
             callees = re.findall(r"%([\w.\-]+)", _CALLEES.search(rest).group(0))
             inner = max(
                 (_count(bodies, c) for c in callees),
-                key=lambda t: sum(t[k][1] for k in _KINDS),
+                key=lambda t: sum(t[k][1] for k in KINDS),
             )
             for key, value in inner.items():
-                if key in _KINDS:
+                if key in KINDS:
                     totals[key] = [a + b for a, b in zip(totals[key], value)]
                 else:
                     totals[key] += value
@@ -116,12 +119,12 @@ def kernel_traffic(hlo_text: str) -> dict:
         hlo_text: The optimized HLO of a compiled computation (`compiled.as_text()`).
 
     Returns:
-        `{"gemm" | "attention" | "other": {"kernels": int, "gib": float}, "copies": int,
+        `{"gemm" | "conv" | "attention" | "other": {"kernels": int, "gib": float}, "copies": int,
         "conditionals": int}`: kernel counts and GiB read + written per execution, with
         each conditional's costliest branch.
     """
     bodies, entry = _computations(hlo_text)
     totals = _count(bodies, entry)
-    out = {k: {"kernels": totals[k][0], "gib": round(totals[k][1] / 2**30, 3)} for k in _KINDS}
+    out = {k: {"kernels": totals[k][0], "gib": round(totals[k][1] / 2**30, 3)} for k in KINDS}
     out.update(copies=totals["copies"], conditionals=totals["conditionals"])
     return out

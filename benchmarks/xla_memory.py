@@ -42,7 +42,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from hlo_traffic import kernel_traffic  # noqa: E402
+from hlo_traffic import KINDS, kernel_traffic  # noqa: E402
 
 GIB = 2**30
 TARGETS = {"h200": os.path.join(HERE, "h200.txtpb")}
@@ -108,8 +108,8 @@ def _analysis(compiled) -> dict:
         # Kernels and GiB each reads + writes (benchmarks/hlo_traffic.py): element-wise
         # work runs at memory speed on a GPU, so `traffic_gib["other"]` / bandwidth
         # bounds its time from below.
-        "kernels": {kind: traffic[kind]["kernels"] for kind in ("gemm", "attention", "other")},
-        "traffic_gib": {kind: traffic[kind]["gib"] for kind in ("gemm", "attention", "other")},
+        "kernels": {kind: traffic[kind]["kernels"] for kind in KINDS},
+        "traffic_gib": {kind: traffic[kind]["gib"] for kind in KINDS},
         "copies": traffic["copies"],
         "conditionals": traffic["conditionals"],
     }

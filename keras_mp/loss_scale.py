@@ -199,11 +199,26 @@ def _values(g):
 
 
 def _per_variable_finite(grads) -> Any:
-    flags = [
-        ops.ones((), "bool") if g is None else ops.all(ops.isfinite(_values(g))) for g in grads
-    ]
-    if not flags:
+    """One bool per gradient: all of its values finite (True for None)."""
+    if not grads:
         return ops.ones((0,), "bool")
+    if keras.backend.backend() != "jax":
+        flags = [ops.all(ops.isfinite(_values(g))) if g is not None else None for g in grads]
+        return ops.stack([ops.ones((), "bool") if f is None else f for f in flags])
+    # XLA: gradients of one shape are checked by one reduction over their stack (XLA fuses
+    # the stack into it, nothing is copied), not one kernel each: 8 layers' worth of same-
+    # shaped weights cost one launch, not eight (BENCHMARKS.md section 9).
+    flags = [ops.ones((), "bool")] * len(grads)
+    groups: dict = {}
+    for i, g in enumerate(grads):
+        if g is not None:
+            groups.setdefault((tuple(g.shape), str(g.dtype)), []).append(i)
+    for (shape, _), indices in groups.items():
+        stacked = ops.stack([grads[i] for i in indices])
+        rows = ops.reshape(ops.isfinite(stacked), (len(indices), math.prod(shape)))
+        finite = ops.all(rows, axis=1)
+        for j, i in enumerate(indices):
+            flags[i] = finite[j]
     return ops.stack(flags)
 
 

@@ -277,7 +277,7 @@ ENTRY %main (a: f32[{mib}], b: bf16[1024,512], w: bf16[512,1024], k: pred[]) -> 
     traffic = module.kernel_traffic(hlo)
     assert traffic["gemm"] == {"kernels": 1, "gib": round(4 / 1024, 3)}  # 1 + 1 + 2 MiB
     assert traffic["other"] == {"kernels": 1, "gib": round(3 / 1024, 3)}  # the apply branch
-    assert traffic["attention"] == {"kernels": 0, "gib": 0.0}
+    assert traffic["attention"] == traffic["conv"] == {"kernels": 0, "gib": 0.0}
     assert traffic["conditionals"] == 1 and traffic["copies"] == 0
 
 
@@ -316,8 +316,10 @@ def test_xla_memory_compiles_for_an_h200_without_one(tmp_path):
     """The small GPT, for the H200: cuDNN flash attention in the step (as Keras chooses on
     that GPU); keras_mp's step needs a third less temporary memory than stock Keras' (191
     vs 129 MB: its GELU keeps one input-sized tensor for the backward pass, not three) and
-    moves less; and keras_mp's loss scaler costs what Keras' does: no conditional, no copy
-    of the weights, the same bytes (it was 216 copies and +16% of element-wise traffic)."""
+    moves less; and keras_mp's loss scaler costs less than Keras': no conditional, no copy
+    of the weights, no more bytes, and one finiteness check per shape rather than per
+    variable (it was 216 copies, +16% of element-wise traffic and 564 against 331 kernels;
+    now 277)."""
     module = _xla_memory_module()
     out = tmp_path / "h200.jsonl"
     policies = ["stock_mixed_bfloat16", "keras_mp_mixed_bfloat16", "stock_mixed_float16",
@@ -335,7 +337,7 @@ def test_xla_memory_compiles_for_an_h200_without_one(tmp_path):
     assert kmp_scaler["conditionals"] == keras_scaler["conditionals"] == 0
     assert kmp_scaler["copies"] <= keras_scaler["copies"] + 2
     assert kmp_scaler["traffic_gib"]["other"] <= 1.01 * keras_scaler["traffic_gib"]["other"]
-    assert kmp_scaler["kernels"]["other"] <= keras_scaler["kernels"]["other"] + 8
+    assert kmp_scaler["kernels"]["other"] < 0.9 * keras_scaler["kernels"]["other"]
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's profiler")

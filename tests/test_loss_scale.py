@@ -145,8 +145,10 @@ def _opt_state(opt):
 def test_optimizer_follows_reference(cfg, seed):
     rng = np.random.default_rng(seed)
     steps = 12
-    flags = rng.random((steps, 2)) >= 0.25
-    variables = [keras.Variable(np.ones((3,), "float32")), keras.Variable(np.ones((2,), "float32"))]
+    # Same-shaped variables apart in the list: on JAX they are checked as one stack.
+    shapes = [(3,), (2,), (3,), (2, 2), (2,)]
+    flags = rng.random((steps, len(shapes))) >= 0.15
+    variables = [keras.Variable(np.ones(shape, "float32")) for shape in shapes]
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), **dataclasses.asdict(cfg))
     opt.build(variables)
     ref = reference_rule(cfg, [list(f) for f in flags])
@@ -154,8 +156,8 @@ def test_optimizer_follows_reference(cfg, seed):
     for t in range(steps):
         before = [v.numpy() if hasattr(v, "numpy") else ops.convert_to_numpy(v) for v in variables]
         grads = [
-            ops.ones((3,)) * (1.0 if flags[t, 0] else np.nan),
-            ops.ones((2,)) * (1.0 if flags[t, 1] else np.inf),
+            ops.ones(shape) * (1.0 if ok else (np.nan, np.inf)[i % 2])
+            for i, (shape, ok) in enumerate(zip(shapes, flags[t]))
         ]
         _stateful_or_stateless(opt, variables, grads)
         assert _opt_state(opt) == ref[t], t
