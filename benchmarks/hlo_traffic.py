@@ -4,11 +4,11 @@ Element-wise work on a GPU runs at memory speed: the bytes its kernels move, ove
 memory bandwidth (4.8 TB/s on an H200), bound its time from below. This reads the optimized
 HLO text of a compiled step (`compiled.as_text()`) and counts, for each top-level kernel
 (fusion, custom call, copy, ...), its operands' and its output's bytes, by kind:
-`gemm` (matmuls: cuBLAS or Triton GEMM fusions), `conv` (cuDNN convolutions), `attention`
-(cuDNN flash attention) and `other` (everything else: element-wise and reduction fusions,
-copies). A `conditional`
-counts its costliest branch, a `while` its body once. Numbers are upper bounds for kernels
-that read only part of an operand (a dynamic slice), and ignore caches.
+`gemm` (matmuls: cuBLAS calls, GEMM fusions, XLA:CPU's dots), `conv` (cuDNN or XLA:CPU
+convolutions), `attention` (cuDNN flash attention) and `other` (everything else:
+element-wise and reduction fusions, copies). A `conditional` counts its costliest branch, a
+`while` its body once. Numbers are upper bounds for kernels that read only part of an
+operand (a dynamic slice), and ignore caches.
 
 Example:
 
@@ -68,14 +68,18 @@ def _computations(text: str) -> tuple[dict, str]:
     return bodies, entry
 
 
-def _kind(name: str, rest: str) -> str:
+def _kind(bodies: dict, opcode: str, rest: str) -> str:
     target = re.search(r'custom_call_target="([^"]+)"', rest)
     target = target.group(1) if target else ""
+    inside = ""
+    if opcode == "fusion" and "kind=kCustom" in rest:  # GEMM fusions (GPU), dot fusions (CPU)
+        callee = re.search(r"calls=%([\w.\-]+)", rest)
+        inside = "\n".join(bodies.get(callee.group(1), ())) if callee else ""
     if "fmha" in target:
         return "attention"
-    if "cudnn$conv" in target:
+    if "cudnn$conv" in target or opcode == "convolution" or " convolution(" in inside:
         return "conv"
-    if name.startswith(("gemm_fusion", "cublas")) or "gemm" in target or "Matmul" in target:
+    if "gemm" in target or "atmul" in target or opcode == "dot" or " dot(" in inside:
         return "gemm"
     return "other"
 
@@ -105,7 +109,7 @@ def _count(bodies: dict, computation: str) -> dict:
             totals["conditionals"] += opcode == "conditional"
             continue
         read = sum(sizes.get(o.strip().lstrip("%"), 0) for o in operands.split(","))
-        kind = _kind(name, rest)
+        kind = _kind(bodies, opcode, rest)
         totals[kind][0] += 1
         totals[kind][1] += read + sizes[name]
         totals["copies"] += opcode == "copy"

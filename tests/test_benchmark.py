@@ -256,6 +256,13 @@ def test_hlo_traffic_counts_kernels_bytes_and_the_costliest_branch():
   ROOT %t = (f32[{mib}]) tuple(%c)
 }}
 
+%d (x: bf16[1024,512], y: bf16[512,1024]) -> bf16[1024,1024] {{
+  %x = bf16[1024,512]{{1,0}} parameter(0)
+  %y = bf16[512,1024]{{1,0}} parameter(1)
+  ROOT %dot = bf16[1024,1024]{{1,0}} dot(%x, %y), lhs_contracting_dims={{1}},
+    rhs_contracting_dims={{0}}
+}}
+
 %apply (p: (f32[{mib}])) -> (f32[{mib}]) {{
   %p = (f32[{mib}]) parameter(0)
   %g = f32[{mib}]{{0}} get-tuple-element(%p), index=0
