@@ -13,7 +13,10 @@ On TensorFlow outside XLA the same math runs as two XLA clusters (`keras_mp.tf.a
 TF's executor would run each element-wise op as its own bfloat16 kernel), for tensors of at
 least `keras_mp.tf.activations.MIN_ELEMENTS` values whose axes after the first are known when
 the graph is built (see `keras_mp.tf.xla.worth_a_cluster`); smaller ones take Keras' GELU.
-Float32 tensors, and the PyTorch backend, take Keras' GELU.
+Under TensorFlow's XLA (`jit_compile=True`) it is the same custom gradient as on JAX but
+without the optimization barrier (TensorFlow has no public one), so XLA may keep a float32
+copy of the input there: the bytes of Keras' GELU, with float32 math. Float32 tensors, and
+the PyTorch backend, take Keras' GELU.
 `keras_mp.convert` gives it to the layers of a low-precision model whose activation is
 Keras' GELU.
 
