@@ -208,11 +208,23 @@ def test_scaler_only_row_is_compared_with_stock_float16():
     assert benchmark.default_jit("stock_mixed_float16_kmp_scaler", "tensorflow", False)
 
 
+def _benchmark_script(name: str):
+    """The module `benchmarks/<name>.py` (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA analysis through JAX")
 def test_xla_memory_script_compiles_without_running(tmp_path, capsys):
     """benchmarks/xla_memory.py at test sizes: one record per configuration; the fused
     keras_mp loss needs less temporary memory than Keras' loss on the same bfloat16 logits."""
-    module = _xla_memory_module()
+    module = _benchmark_script("xla_memory")
     out = tmp_path / "mem.jsonl"
     argv = ["--models", "tiny_gpt", "--policies", "stock_mixed_bfloat16,keras_mp_mixed_bfloat16",
             "--logits", "--out", str(out)]
@@ -226,26 +238,9 @@ def test_xla_memory_script_compiles_without_running(tmp_path, capsys):
     assert all(r["xla_flops"] > 0 and r["argument_bytes"] > 0 for r in steps)
 
 
-def _xla_memory_module():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "xla_memory.py"
-    spec = importlib.util.spec_from_file_location("xla_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_hlo_traffic_counts_kernels_bytes_and_the_costliest_branch():
     """Bytes per kernel = operands + output; a conditional counts its costliest branch."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "hlo_traffic.py"
-    spec = importlib.util.spec_from_file_location("hlo_traffic", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _benchmark_script("hlo_traffic")
     mib = 2**20 // 4  # f32 elements in a MiB
     hlo = f"""HloModule m
 
@@ -302,7 +297,7 @@ def test_xla_memory_target_needs_the_gpu_compiler_or_says_so(tmp_path):
     """`--target h200` compiles for XLA:GPU without a GPU; without JAX's CUDA plugin it
     stops with a message that names the plugin, and a target file that does not parse is
     named too."""
-    module = _xla_memory_module()
+    module = _benchmark_script("xla_memory")
     argv = ["--target", "h200", "--models", "tiny_gpt", "--policies", "float32"]
     if not _has_xla_gpu_compiler():
         with pytest.raises(SystemExit, match=r"jax\[cuda12\]"):
@@ -327,7 +322,7 @@ def test_xla_memory_compiles_for_an_h200_without_one(tmp_path):
     of the weights, no more bytes, and one finiteness check per shape rather than per
     variable (it was 216 copies, +16% of element-wise traffic and 564 against 331 kernels;
     now 277)."""
-    module = _xla_memory_module()
+    module = _benchmark_script("xla_memory")
     out = tmp_path / "h200.jsonl"
     policies = ["stock_mixed_bfloat16", "keras_mp_mixed_bfloat16", "stock_mixed_float16",
                 "stock_mixed_float16_kmp_scaler"]
@@ -353,13 +348,7 @@ def test_tf_profile_script_reads_ops_and_allocator_peak(capsys):
     and the op types of the profiled steps; the keras_mp step runs the chunked oneDNN loss
     (softmax, no SparseSoftmaxCrossEntropyWithLogits), the stock step TF's native kernel, and
     keras_mp's GELU kernel is a pair of XLA clusters."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "tf_profile.py"
-    spec = importlib.util.spec_from_file_location("tf_profile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _benchmark_script("tf_profile")
     argv = ["--models", "tiny_gpt", "--policies", "stock_mixed_bfloat16,keras_mp_mixed_bfloat16",
             "--steps", "2", "--warmup", "1", "--top", "100"]
     assert module.main(argv) == 0
