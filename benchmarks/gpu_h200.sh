@@ -11,7 +11,8 @@
 #
 # Order = priority: the GPT workload under every policy (one harness invocation, so the
 # speedups vs float32 and vs stock Keras are side by side; stock_mixed_float16_kmp_scaler is
-# stock FP16 with keras_mp's loss scaler: the scaler's own cost), then ResNet-50, then the
+# stock FP16 with keras_mp's loss scaler: the scaler's own cost; @remat: XLA's
+# rematerialization given a memory limit, the memory target's row), then ResNet-50, then the
 # PyTorch AMP anchor (torch.compile, bf16), then the compile-only memory analysis of the step. Each harness invocation starts no configuration once its
 # --budget is spent; TOTAL_BUDGET (seconds) bounds the whole script.
 set -u
@@ -28,7 +29,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"   # keras_mp from this worki
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 GPT_MODEL=${GPT_MODEL:-gpt}
 RESNET_MODEL=${RESNET_MODEL:-resnet50}
-GPT_POLICIES=${GPT_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,stock_mixed_float16,keras_mp_mixed_float16,stock_mixed_float16_kmp_scaler,keras_mp_float8,float32_strict}
+GPT_POLICIES=${GPT_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,keras_mp_mixed_bfloat16@remat,stock_mixed_float16,keras_mp_mixed_float16,stock_mixed_float16_kmp_scaler,keras_mp_float8,float32_strict}
 RESNET_POLICIES=${RESNET_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,stock_mixed_float16,keras_mp_mixed_float16}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-2}
@@ -65,7 +66,7 @@ fi
 # `xla_memory.py --target h200` gives without a GPU (BENCHMARKS.md section 9).
 if [ "$(left)" -gt 60 ]; then
   timeout "$(left)" $PY benchmarks/xla_memory.py --models "$GPT_MODEL" \
-    --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16 \
+    --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16,keras_mp_mixed_bfloat16@remat \
     --out "$OUT/xla_memory.jsonl" 2>&1 | grep '^{' | tee -a "$OUT/log.txt"
 fi
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/log.txt"

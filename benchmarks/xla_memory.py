@@ -22,6 +22,8 @@ temporaries + outputs not aliased to arguments) is what it allocates for the ste
 runtime adds cuDNN workspaces, the batch, and the allocator's rounding. Keras decides flash
 attention by querying the local GPU; compiled without one, the script answers as an H200
 would (`--flash on`, the default with a target: cuDNN 9 on compute capability 9.0).
+A policy may carry the harness' `@remat` (XLA's rematerialization pass given a memory
+limit, `keras_mp.cli.measure.REMAT_XLA_FLAG`, as this compile's options; XLA:GPU only).
 
     KERAS_BACKEND=jax python benchmarks/xla_memory.py --models gpt \
         --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16 --logits
@@ -115,18 +117,31 @@ def _analysis(compiled) -> dict:
     }
 
 
+def _remat_options() -> dict:
+    """The harness' `@remat` flag (`keras_mp.cli.measure.REMAT_XLA_FLAG`) as compiler options."""
+    from keras_mp.cli.measure import REMAT_XLA_FLAG
+
+    name, _, value = REMAT_XLA_FLAG.lstrip("-").partition("=")
+    return {name: int(value)}
+
+
 def step_record(model_name: str, policy: str, keep_fp32=None, sharding=None) -> dict:
     """Compiles (does not run) one train step of `model_name` under a harness `policy`
-    (for the device of `sharding`; default: the local one)."""
+    (for the device of `sharding`; default: the local one). `policy@remat` compiles it with
+    the harness' `@remat` memory limit (XLA's rematerialization; XLA:GPU only)."""
     import jax
     import numpy as np
 
-    from keras_mp.cli.measure import _compiled_model
+    from keras_mp.cli.measure import POLICIES, _compiled_model, _names
     from keras_mp.cli.workloads import WORKLOADS
+
+    _names("policy", policy, POLICIES)
+    base, _, suffix = policy.partition("@")
+    options = _remat_options() if suffix == "remat" else None
 
     workload = WORKLOADS[model_name]
     start = time.perf_counter()
-    model = _compiled_model(workload, policy, True, keep_fp32)
+    model = _compiled_model(workload, base, True, keep_fp32)
     x, y = workload.data(np.random.default_rng(0))
     model._symbolic_build(data_batch=(x[:1], y[:1], None))
     model.optimizer.build(model.trainable_variables)
@@ -138,11 +153,13 @@ def step_record(model_name: str, policy: str, keep_fp32=None, sharding=None) -> 
     )
     abstract = _abstract(state, sharding)
     data = (*_abstract((x, y), sharding), None)
-    compiled = jax.jit(model.train_step, donate_argnums=0).lower(abstract, data).compile()
+    lowered = jax.jit(model.train_step, donate_argnums=0).lower(abstract, data)
+    compiled = lowered.compile(compiler_options=options)
     return {
         "kind": "step",
         "model": model_name,
-        "policy": policy,
+        "policy": base,
+        "xla_options": options,
         "keep_fp32": None if keep_fp32 is None else list(keep_fp32),
         **_analysis(compiled),
         "compile_s": round(time.perf_counter() - start, 1),

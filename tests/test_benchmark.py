@@ -4,6 +4,8 @@ No timing assertions: the harness runs two tiny workloads for two steps, in proc
 """
 
 import json
+import pathlib
+import re
 
 import keras
 import pytest
@@ -174,7 +176,7 @@ def test_keras_mp_float32_row_trains_the_float32_model():
     [
         (["--models", "gpt2"], r"Unknown model 'gpt2'\. Valid model names: gpt, resnet50, "),
         (["--policies", "mixed_bfloat16"], r"Unknown policy 'mixed_bfloat16'.*float32_strict"),
-        (["--policies", "float32@xla"], r"@jit or @nojit"),
+        (["--policies", "float32@xla"], r"@jit, @nojit or @remat"),
         (["--env", "TF_ENABLE_ONEDNN_OPTS"], r"KEY=VALUE"),
         (["--steps", "0"], r"--steps must be at least 1"),
     ],
@@ -206,6 +208,44 @@ def test_scaler_only_row_is_compared_with_stock_float16():
     )
     assert row["speedup_vs_stock"] == pytest.approx(50 / 50.5, abs=1e-3)
     assert benchmark.default_jit("stock_mixed_float16_kmp_scaler", "tensorflow", False)
+
+
+def test_remat_row_runs_in_its_own_process_with_the_xla_flag(tmp_path):
+    """`policy@remat`: XLA with the rematerialization memory limit, set in that row's own
+    process (the flag must be there before the backend starts); on a CPU the flag changes
+    nothing, so the row trains exactly like the plain one. Speedups prefer a reference of
+    the same kind."""
+    from keras_mp.cli import measure
+
+    flag = measure.REMAT_XLA_FLAG
+    assert measure.remat_env({"XLA_FLAGS": "--xla_dump_to=/d"})["XLA_FLAGS"] == (
+        f"--xla_dump_to=/d {flag}"
+    )
+    assert measure.remat_env({"XLA_FLAGS": flag})["XLA_FLAGS"] == flag
+    assert measure.remat_env({})["XLA_FLAGS"] == flag
+    with pytest.raises(ValueError, match=r"@remat row needs XLA_FLAGS=--xla_gpu_memory_limit"):
+        benchmark.main(["--in-process", "--models", "tiny_gpt", "--policies", "float32@remat"])
+    out = tmp_path / "remat.jsonl"
+    argv = ["--models", "tiny_gpt", "--policies", "float32,float32@remat", "--steps", "1",
+            "--warmup", "0", "--backend", keras.backend.backend(), "--out", str(out)]
+    assert benchmark.main(argv) == 0
+    plain, remat = map(json.loads, out.read_text().splitlines())
+    assert (plain["xla_remat"], remat["xla_remat"]) == (False, True)
+    assert remat["jit_compile"] is True
+    assert flag in remat["env"]["XLA_FLAGS"].split()
+    assert flag not in plain["env"].get("XLA_FLAGS", "")
+    assert remat["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+
+    def row(policy, ms, remat=False):
+        return {"model": "m", "policy": policy, "jit_compile": True, "step_ms_median": ms,
+                "xla_remat": remat}
+
+    earlier = [row("float32", 100.0), row("stock_mixed_bfloat16", 50.0)]
+    ours = benchmark.add_speedups(row("keras_mp_mixed_bfloat16", 40.0, True), list(earlier))
+    assert (ours["speedup_vs_fp32"], ours["speedup_vs_stock"]) == (2.5, 1.25)  # plain refs
+    earlier.append(row("stock_mixed_bfloat16", 80.0, True))
+    ours = benchmark.add_speedups(row("keras_mp_mixed_bfloat16", 40.0, True), list(earlier))
+    assert ours["speedup_vs_stock"] == 2.0  # the stock @remat row
 
 
 def _benchmark_script(name: str):
@@ -340,6 +380,35 @@ def test_xla_memory_compiles_for_an_h200_without_one(tmp_path):
     assert kmp_scaler["copies"] <= keras_scaler["copies"] + 2
     assert kmp_scaler["traffic_gib"]["other"] <= 1.01 * keras_scaler["traffic_gib"]["other"]
     assert kmp_scaler["kernels"]["other"] < 0.9 * keras_scaler["kernels"]["other"]
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax" or not _has_xla_gpu_compiler(),
+    reason="needs JAX's CUDA plugin (XLA:GPU compiles without a GPU); not in CI",
+)
+def test_xla_memory_remat_rows_trade_element_wise_bytes_for_memory(tmp_path):
+    """`policy@remat` compiles with the harness' memory limit: for a GPU whose memory makes
+    the limit bind (the H200's description with 3000 MiB, so that the small GPT is where the
+    real one is on an H200), XLA recomputes element-wise tensors and needs less temporary
+    memory (-17%), moving more bytes in element-wise kernels (+8%)."""
+    module = _benchmark_script("xla_memory")
+    target = tmp_path / "small.txtpb"
+    text = (pathlib.Path(module.TARGETS["h200"])).read_text()
+    target.write_text(re.sub(r"device_memory_size: \d+", f"device_memory_size: {3000 << 20}",
+                             text))
+    out = tmp_path / "remat.jsonl"
+    argv = ["--target", str(target), "--models", "cpu_gpt", "--out", str(out),
+            "--policies", "keras_mp_mixed_bfloat16,keras_mp_mixed_bfloat16@remat"]
+    assert module.main(argv) == 0
+    plain, remat = map(json.loads, out.read_text().splitlines())
+    assert plain["xla_options"] is None
+    assert remat["xla_options"] == {"xla_gpu_memory_limit_slop_factor": 5}
+    assert remat["policy"] == plain["policy"] == "keras_mp_mixed_bfloat16"
+    assert remat["temp_bytes"] < 0.9 * plain["temp_bytes"]
+    assert remat["traffic_gib"]["other"] > plain["traffic_gib"]["other"]
+    # Matmuls are not what it recomputes (3 small GEMM kernels more here; none at GPT size).
+    assert remat["traffic_gib"]["gemm"] < 1.02 * plain["traffic_gib"]["gemm"]
+    assert remat["flash_attention_calls"] == plain["flash_attention_calls"] == 8
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's profiler")

@@ -16,7 +16,10 @@ Keras row of the same policy measured in the same invocation. Policies:
   configuration for `speedup_vs_best_fp32`.
 
 A policy may carry `@jit` or `@nojit` to override `--jit/--no-jit` for that row, e.g.
-`--policies float32@nojit,float32@jit,keras_mp_mixed_bfloat16@nojit`.
+`--policies float32@nojit,float32@jit,keras_mp_mixed_bfloat16@nojit`, or `@remat`: XLA with
+its rematerialization pass given a memory limit (`keras_mp.cli.measure.REMAT_XLA_FLAG` in the
+row's `XLA_FLAGS`; GPU only), which recomputes cheap element-wise tensors in the backward pass
+instead of keeping them: less memory for a little more memory traffic.
 
 Example:
 
@@ -35,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from keras_mp.cli.measure import POLICIES, _names, default_jit, run_one
+from keras_mp.cli.measure import POLICIES, _names, default_jit, remat_env, run_one
 from keras_mp.cli.workloads import WORKLOADS
 
 __all__ = [
@@ -60,6 +63,8 @@ def _subprocess(args, model_name: str, policy: str) -> dict:
         *_passthrough(args),
     ]
     env = dict(os.environ, KERAS_BACKEND=args.backend, **dict(_env_pairs(args.env)))
+    if policy.partition("@")[2] == "remat":
+        env = remat_env(env)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -104,11 +109,13 @@ def add_speedups(row: dict, earlier: list) -> dict:
     `speedup_vs_best_fp32`: the fastest FP32 row (`float32`, `keras_mp_float32`,
     `float32_strict`) of the model so far;
     `speedup_vs_stock`: the stock Keras row of the same dtype policy and `jit_compile`
-    (keras_mp rows, `keras_mp_float32` against `float32`; stock mixed rows get 1.0).
-    Missing references give `None`.
+    (keras_mp rows, `keras_mp_float32` against `float32`; stock mixed rows get 1.0), with
+    `@remat` if there is one, else without: a `@remat` row is set against the plain stock
+    step. Missing references give `None`.
     """
     same = [r for r in earlier + [row] if r["model"] == row["model"] and "error" not in r]
     same_jit = [r for r in same if r.get("jit_compile") == row.get("jit_compile")]
+    same_jit.sort(key=lambda r: r.get("xla_remat", False) != row.get("xla_remat", False))
     fp32 = next((r for r in same_jit if r["policy"] == "float32"), None)
     fp32_rows = [r for r in same if POLICIES.get(r["policy"]) == "float32"]
     best = min(fp32_rows, key=lambda r: r["step_ms_median"], default=None)
@@ -138,8 +145,9 @@ def _table(rows: list) -> str:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['policy']} | | error | | | | | | |")
             continue
+        jit = ("on" if r["jit_compile"] else "off") + (", remat" if r.get("xla_remat") else "")
         lines.append(
-            f"| {r['model']} | {r['policy']} | {'on' if r['jit_compile'] else 'off'} | "
+            f"| {r['model']} | {r['policy']} | {jit} | "
             f"{r['step_ms_median']:.1f} | {r['units_per_s']:.0f} | {r['tflops']:.3g} | "
             f"{r['peak_mem_gib']:.2f} ({'RSS' if r['peak_mem_kind'] == 'host_rss' else 'dev'}"
             + (f"; tensors {r['tensor_peak_mib'] / 1024:.2f}" if "tensor_peak_mib" in r else "")
@@ -167,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(POLICIES),
         help="comma-separated, from: "
         + ", ".join(POLICIES)
-        + "; append @jit or @nojit to force XLA on/off for one row (default: all)",
+        + "; append @jit or @nojit to force XLA on/off for one row, @remat for XLA with a "
+        "memory limit (default: all)",
     )
     p.add_argument("--steps", type=int, default=20, help="timed steps (default: %(default)s)")
     p.add_argument(
@@ -259,7 +268,8 @@ def main(argv=None) -> int:
             else:
                 row = _subprocess(args, model_name, policy)
             if "error" in row:
-                row = {"model": model_name, "policy": policy.split("@")[0], **row}
+                base, _, suffix = policy.partition("@")
+                row = {"model": model_name, "policy": base, "xla_remat": suffix == "remat", **row}
             else:
                 add_speedups(row, rows)
             rows.append(row)

@@ -39,7 +39,7 @@ import time
 
 from keras_mp.cli.workloads import WORKLOADS
 
-__all__ = ["POLICIES", "default_jit", "run_one"]
+__all__ = ["POLICIES", "REMAT_XLA_FLAG", "default_jit", "remat_env", "run_one"]
 
 
 # Policy name -> Keras dtype policy. Order = run order, and priority when a --budget cuts a
@@ -56,7 +56,14 @@ POLICIES = {
     "keras_mp_float8": "float8",  # FP8 matmuls over mixed_bfloat16: compared with stock bf16
     "float32_strict": "float32",
 }
-_JIT_SUFFIX = {"jit": True, "nojit": False}
+# A policy suffix -> jit_compile of that row. `@remat`: XLA, with XLA's rematerialization
+# pass given a memory limit (`REMAT_XLA_FLAG`, set in the row's subprocess before its backend
+# starts): on a GPU, XLA then recomputes cheap element-wise tensors in the backward pass
+# (layer-norm outputs, low-precision copies of the weights) instead of keeping them from the
+# forward pass. The limit is a share of the GPU's memory (5%: about 7 GiB on an H200, sized
+# for the `gpt` workload there); a CPU ignores it.
+_JIT_SUFFIX = {"jit": True, "nojit": False, "remat": True}
+REMAT_XLA_FLAG = "--xla_gpu_memory_limit_slop_factor=5"
 _ENV_KEYS = (
     "TF_ENABLE_ONEDNN_OPTS",
     "OMP_NUM_THREADS",
@@ -74,13 +81,21 @@ def _names(kind: str, text: str, valid) -> list:
         base = name.split("@")[0]
         suffix = name.partition("@")[2]
         if base not in valid or (suffix and suffix not in _JIT_SUFFIX):
-            extra = " (optionally with @jit or @nojit)" if kind == "policy" else ""
+            extra = " (optionally with @jit, @nojit or @remat)" if kind == "policy" else ""
             raise ValueError(
                 f"Unknown {kind} {name!r}. Valid {kind} names{extra}: {', '.join(valid)}."
             )
     if not names:
         raise ValueError(f"No {kind} given. Valid {kind} names: {', '.join(valid)}.")
     return names
+
+
+def remat_env(environ) -> dict:
+    """`environ` with `REMAT_XLA_FLAG` added to its `XLA_FLAGS`: a `@remat` row's process."""
+    flags = environ.get("XLA_FLAGS", "")
+    if REMAT_XLA_FLAG not in flags.split():
+        flags = f"{flags} {REMAT_XLA_FLAG}".strip()
+    return {**environ, "XLA_FLAGS": flags}
 
 
 def default_jit(policy: str, backend: str, on_gpu: bool) -> bool:
@@ -231,7 +246,8 @@ def run_one(
 
     Args:
         model_name: a key of `WORKLOADS`.
-        policy: a key of `POLICIES` (with an optional `@jit` / `@nojit` suffix).
+        policy: a key of `POLICIES` (with an optional `@jit` / `@nojit` / `@remat` suffix;
+            `@remat` needs `REMAT_XLA_FLAG` in this process's `XLA_FLAGS`: `remat_env`).
         steps: timed train steps (each `train_on_batch` returns a host float: synchronous).
         warmup: untimed steps after the first, compiling one.
         jit_compile: XLA on/off; `None` takes the suffix, else `default_jit`.
@@ -246,6 +262,12 @@ def run_one(
     _names("model", model_name, WORKLOADS)
     _names("policy", policy, POLICIES)
     policy, _, suffix = policy.partition("@")
+    if suffix == "remat" and REMAT_XLA_FLAG not in os.environ.get("XLA_FLAGS", "").split():
+        raise ValueError(
+            f"A @remat row needs XLA_FLAGS={REMAT_XLA_FLAG} set before the backend starts; "
+            "the harness sets it in the row's own process (not with --in-process). "
+            f"XLA_FLAGS here: {os.environ.get('XLA_FLAGS', '')!r}"
+        )
     import keras
     import numpy as np
 
@@ -288,6 +310,7 @@ def run_one(
         "backend": backend,
         "device": device,
         "jit_compile": bool(jit_compile),
+        "xla_remat": suffix == "remat",
         "compile_s": round(compile_s, 2),
         "step_ms_median": round(median * 1e3, 3),
         "step_ms_min": round(min(times) * 1e3, 3),
