@@ -435,3 +435,49 @@ def test_tf_profile_script_reads_ops_and_allocator_peak(capsys):
     assert ours["top_ops_ms_per_step"]["XLA cluster (async op)"][1] == 2
     assert "Erfc" in stock["top_ops_ms_per_step"] and "Erfc" not in ours["top_ops_ms_per_step"]
     assert not any("fusion" in op or "::" in op for op in ours["top_ops_ms_per_step"])
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_execute_kernel__5x_cublas",
+         "gemm"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNN", "gemm"),
+        ("gemm_fusion_dot_12", "gemm"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7", "attention"),
+        ("sm90_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_kernel_cudnn", "conv"),
+        ("sm80_xmma_fprop_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", "conv"),
+        ("loop_convert_fusion_17", "other"),
+        ("input_reduce_fusion_3", "other"),
+        ("MemcpyH2D", "copy"),
+    ],
+)
+def test_jax_profile_kinds_of_kernels(name, kind):
+    """Kernel names as the profiler records them on a GPU (cuBLAS, cuDNN, XLA fusions): a
+    convolution's implicit GEMM is a convolution, a convert fusion is element-wise work."""
+    assert _benchmark_script("jax_profile").kernel_kind(name) == kind
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's profiler")
+def test_jax_profile_script_sums_kernels_per_step(tmp_path, capsys):
+    """benchmarks/jax_profile.py at test size, on this CPU (the host's XLA thunks stand in for
+    a GPU's kernels): per-step totals by kind that add up to the busy time, the thunks that
+    enclose others left out; an unknown policy is an error record and exit status 1."""
+    module = _benchmark_script("jax_profile")
+    out = tmp_path / "profile.jsonl"
+    argv = ["--models", "tiny_gpt", "--policies", "keras_mp_mixed_bfloat16", "--steps", "2",
+            "--top", "4", "--out", str(out)]
+    assert module.main(argv) == 0
+    (record,) = map(json.loads, out.read_text().splitlines())
+    assert record["plane"] == "/host:CPU" and record["policy"] == "keras_mp_mixed_bfloat16"
+    assert record["kernels_per_step"] > 50  # one tiny GPT step: ~270 thunks
+    assert sum(record["ms_per_step"].values()) == pytest.approx(
+        record["busy_ms_per_step"], abs=0.01
+    )
+    assert 0 < record["busy_ms_per_step"] < 4 * record["step_ms_median"]
+    assert len(record["top_kernels"]) == 4
+    assert not any(k["name"].startswith("ThunkExecutor") for k in record["top_kernels"])
+    capsys.readouterr()
+    assert module.main(["--models", "tiny_gpt", "--policies", "float16", "--steps", "1"]) == 1
+    (error,) = map(json.loads, capsys.readouterr().out.splitlines())
+    assert "Unknown policy 'float16'" in error["error"]
