@@ -14,7 +14,7 @@
 # stock FP16 with keras_mp's loss scaler: the scaler's own cost; @remat: XLA's
 # rematerialization given a memory limit, the memory target's row), then ResNet-50, then the
 # PyTorch AMP anchor (torch.compile, bf16), then the compile-only memory analysis of the step,
-# then a profile of the GPT step (kernels by kind). Each harness invocation starts no configuration once its
+# then profiles of the GPT and ResNet-50 steps (kernels by kind). Each harness invocation starts no configuration once its
 # --budget is spent; TOTAL_BUDGET (seconds) bounds the whole script.
 set -u
 OUT=${OUT:-runs/gpu}
@@ -73,10 +73,14 @@ if [ "$(left)" -gt 60 ]; then
     --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16,keras_mp_mixed_bfloat16@remat \
     --out "$OUT/xla_memory.jsonl" 2>&1 | grep '^{' | tee -a "$OUT/log.txt"
 fi
-# Where the GPT step's time goes: its kernels by kind, busy vs idle (benchmarks/jax_profile.py).
-if [ "$(left)" -gt 30 ]; then
-  timeout "$(left)" $PY benchmarks/jax_profile.py --models "$GPT_MODEL" \
-    --policies keras_mp_mixed_bfloat16,stock_mixed_bfloat16 --steps 5 \
+# Where the steps' time goes: kernels by kind, busy vs idle (benchmarks/jax_profile.py);
+# keras_mp's GPT and ResNet-50 bf16 steps, then stock's GPT step, as far as time goes.
+profile() {  # profile MODEL POLICY
+  [ "$(left)" -gt 30 ] || return 0
+  timeout "$(left)" $PY benchmarks/jax_profile.py --models "$1" --policies "$2" --steps 5 \
     --out "$OUT/profile.jsonl" 2>&1 | grep '^{' | cut -c1-400 | tee -a "$OUT/log.txt"
-fi
+}
+profile "$GPT_MODEL" keras_mp_mixed_bfloat16
+profile "$RESNET_MODEL" keras_mp_mixed_bfloat16
+profile "$GPT_MODEL" stock_mixed_bfloat16
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/log.txt"
