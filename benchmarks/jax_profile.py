@@ -24,7 +24,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -120,7 +119,6 @@ def profile_one(model_name: str, policy: str, steps: int, warmup: int, top: int)
     """Profiles one configuration in this process; returns its JSON record."""
     import jax
     import keras
-    import numpy as np
 
     from keras_mp.cli import measure
     from keras_mp.cli.workloads import WORKLOADS
@@ -131,12 +129,7 @@ def profile_one(model_name: str, policy: str, steps: int, warmup: int, top: int)
     if suffix == "nojit":
         raise ValueError("jax_profile.py profiles XLA steps; drop @nojit.")
     workload = WORKLOADS[model_name]
-    previous = keras.config.dtype_policy()
-    try:
-        model = measure._compiled_model(workload, base, True, None)
-    finally:
-        keras.config.set_dtype_policy(previous)
-    x, y = (keras.ops.convert_to_tensor(a) for a in workload.data(np.random.default_rng(0)))
+    model, x, y = measure.model_and_batch(workload, base, True)
     for _ in range(1 + warmup):
         model.train_on_batch(x, y)
     times = []
@@ -177,30 +170,10 @@ def main(argv=None) -> int:
         record = profile_one(args.models, args.policies, args.steps, args.warmup, args.top)
         print("RESULT " + json.dumps(record), flush=True)
         return 0
-    from keras_mp.cli import measure
+    from keras_mp.cli.measure import each_in_own_process
 
-    status = 0
-    for model in args.models.split(","):
-        for policy in args.policies.split(","):
-            cmd = [sys.executable, __file__, "--one", "--models", model, "--policies", policy]
-            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-            cmd += ["--top", str(args.top)]
-            env = dict(os.environ, KERAS_BACKEND="jax")
-            if policy.partition("@")[2] == "remat":
-                env = measure.remat_env(env)
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            lines = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if not lines:
-                status = 1
-                lines = [
-                    json.dumps({"model": model, "policy": policy, "error": done.stderr[-800:]})
-                ]
-            print(lines[0], flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(lines[0] + "\n")
-    return status
-
+    extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--top", str(args.top)]
+    return each_in_own_process(__file__, args.models, args.policies, extra, "jax", args.out)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,6 @@ import glob
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -85,8 +84,6 @@ def profile_one(
     model_name: str, policy: str, steps: int, warmup: int, batch: int, top: int
 ) -> dict:
     """Profiles one configuration in this process; returns its JSON record."""
-    import keras
-    import numpy as np
     import tensorflow as tf
 
     from keras_mp.cli import measure
@@ -99,12 +96,7 @@ def profile_one(
     jit = {"jit": True, "nojit": False}.get(
         suffix, measure.default_jit(policy, "tensorflow", False)
     )
-    previous = keras.config.dtype_policy()
-    try:
-        model = measure._compiled_model(workload, policy, jit, None)
-    finally:
-        keras.config.set_dtype_policy(previous)
-    x, y = (keras.ops.convert_to_tensor(a) for a in workload.data(np.random.default_rng(0)))
+    model, x, y = measure.model_and_batch(workload, policy, jit)
     for _ in range(1 + warmup):
         model.train_on_batch(x, y)
     times = []
@@ -148,22 +140,11 @@ def main(argv=None) -> int:
         )
         print("RESULT " + json.dumps(record), flush=True)
         return 0
-    status = 0
-    for model in args.models.split(","):
-        for policy in args.policies.split(","):
-            cmd = [sys.executable, __file__, "--one", "--models", model, "--policies", policy]
-            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-            cmd += ["--batch", str(args.batch), "--top", str(args.top)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if not lines:
-                status = 1
-                lines = [
-                    json.dumps({"model": model, "policy": policy, "error": done.stderr[-800:]})
-                ]
-            print(lines[0], flush=True)
-    return status
+    from keras_mp.cli.measure import each_in_own_process
 
+    extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
+             str(args.batch), "--top", str(args.top)]
+    return each_in_own_process(__file__, args.models, args.policies, extra, "tensorflow")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,15 +31,25 @@ run_one("tiny_gpt", "keras_mp_mixed_bfloat16", steps=5)["step_ms_median"]
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 
 from keras_mp.cli.workloads import WORKLOADS
 
-__all__ = ["POLICIES", "REMAT_XLA_FLAG", "default_jit", "remat_env", "run_one"]
+__all__ = [
+    "POLICIES",
+    "REMAT_XLA_FLAG",
+    "default_jit",
+    "each_in_own_process",
+    "model_and_batch",
+    "remat_env",
+    "run_one",
+]
 
 
 # Policy name -> Keras dtype policy. Order = run order, and priority when a --budget cuts a
@@ -232,6 +242,49 @@ def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32):
     return model
 
 
+def model_and_batch(workload, policy: str, jit_compile: bool, keep_fp32=None):
+    """A workload's compiled model under a harness policy (no suffix), with Keras' global
+    dtype policy restored after, and its batch as backend tensors: `(model, x, y)`."""
+    import keras
+    import numpy as np
+
+    previous = keras.config.dtype_policy()
+    try:
+        model = _compiled_model(workload, policy, jit_compile, keep_fp32)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    x, y = (keras.ops.convert_to_tensor(a) for a in workload.data(np.random.default_rng(0)))
+    return model, x, y
+
+
+def each_in_own_process(
+    script: str, models: str, policies: str, extra: list, backend: str, out=None
+) -> int:
+    """Runs `script --one --models M --policies P *extra` once per configuration, each in
+    its own process (a `@remat` one with `remat_env`), prints the JSON record each prints
+    after `RESULT ` (an error record with its stderr's end if none) and appends it to the
+    file `out`. Returns 1 if a configuration failed, else 0."""
+    status = 0
+    for model in models.split(","):
+        for policy in policies.split(","):
+            cmd = [sys.executable, script, "--one", "--models", model, "--policies", policy]
+            env = dict(os.environ, KERAS_BACKEND=backend)
+            if policy.partition("@")[2] == "remat":
+                env = remat_env(env)
+            done = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env)
+            lines = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if not lines:
+                status = 1
+                lines = [
+                    json.dumps({"model": model, "policy": policy, "error": done.stderr[-800:]})
+                ]
+            print(lines[0], flush=True)
+            if out:
+                with open(out, "a") as f:
+                    f.write(lines[0] + "\n")
+    return status
+
+
 def run_one(
     model_name: str,
     policy: str,
@@ -283,13 +336,8 @@ def run_one(
         jit_compile = default_jit(policy, backend, _on_gpu(backend))
     workload = WORKLOADS[model_name]
     strict = _strict_fp32(backend) if policy == "float32_strict" else contextlib.nullcontext()
-    previous = keras.config.dtype_policy()
     with strict:  # JAX reads the matmul precision when it traces the first step
-        try:
-            model = _compiled_model(workload, policy, jit_compile, keep_fp32)
-        finally:
-            keras.config.set_dtype_policy(previous)
-        x, y = (keras.ops.convert_to_tensor(a) for a in workload.data(np.random.default_rng(0)))
+        model, x, y = model_and_batch(workload, policy, jit_compile, keep_fp32)
         start = time.perf_counter()
         model.train_on_batch(x, y)
         compile_s = time.perf_counter() - start
