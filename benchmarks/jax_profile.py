@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -129,11 +130,13 @@ def profile_one(model_name: str, policy: str, steps: int, warmup: int, top: int)
     if suffix == "nojit":
         raise ValueError("jax_profile.py profiles XLA steps; drop @nojit.")
     workload = WORKLOADS[model_name]
-    model, x, y = measure.model_and_batch(workload, base, True)
-    for _ in range(1 + warmup):
-        model.train_on_batch(x, y)
+    strict = measure._strict_fp32("jax") if base == "float32_strict" else contextlib.nullcontext()
     times = []
-    with tempfile.TemporaryDirectory() as logdir:
+    # JAX reads the matmul precision when it traces a step: every step inside `strict`.
+    with strict, tempfile.TemporaryDirectory() as logdir:
+        model, x, y = measure.model_and_batch(workload, base, True)
+        for _ in range(1 + warmup):
+            model.train_on_batch(x, y)
         with jax.profiler.trace(logdir):
             for _ in range(steps):
                 start = time.perf_counter()
