@@ -178,5 +178,6 @@ def main(argv=None) -> int:
     extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--top", str(args.top)]
     return each_in_own_process(__file__, args.models, args.policies, extra, "jax", args.out)
 
+
 if __name__ == "__main__":
     sys.exit(main())

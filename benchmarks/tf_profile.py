@@ -146,5 +146,6 @@ def main(argv=None) -> int:
              str(args.batch), "--top", str(args.top)]
     return each_in_own_process(__file__, args.models, args.policies, extra, "tensorflow")
 
+
 if __name__ == "__main__":
     sys.exit(main())
