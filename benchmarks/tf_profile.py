@@ -93,9 +93,7 @@ def profile_one(
     workload = WORKLOADS[model_name]
     if batch:
         workload = dataclasses.replace(workload, batch=batch)
-    jit = {"jit": True, "nojit": False}.get(
-        suffix, measure.default_jit(policy, "tensorflow", False)
-    )
+    jit = measure._JIT_SUFFIX.get(suffix, measure.default_jit(policy, "tensorflow", False))
     model, x, y = measure.model_and_batch(workload, policy, jit)
     for _ in range(1 + warmup):
         model.train_on_batch(x, y)

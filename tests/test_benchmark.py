@@ -218,11 +218,14 @@ def test_remat_row_runs_in_its_own_process_with_the_xla_flag(tmp_path):
     from keras_mp.cli import measure
 
     flag = measure.REMAT_XLA_FLAG
-    assert measure.remat_env({"XLA_FLAGS": "--xla_dump_to=/d"})["XLA_FLAGS"] == (
+    assert measure.config_env("float32", {"XLA_FLAGS": "--xla_dump_to=/d"}) == {
+        "XLA_FLAGS": "--xla_dump_to=/d"
+    }
+    assert measure.config_env("float32@remat", {"XLA_FLAGS": "--xla_dump_to=/d"})["XLA_FLAGS"] == (
         f"--xla_dump_to=/d {flag}"
     )
-    assert measure.remat_env({"XLA_FLAGS": flag})["XLA_FLAGS"] == flag
-    assert measure.remat_env({})["XLA_FLAGS"] == flag
+    assert measure.config_env("float32@remat", {"XLA_FLAGS": flag})["XLA_FLAGS"] == flag
+    assert measure.config_env("float32@remat", {})["XLA_FLAGS"] == flag
     with pytest.raises(ValueError, match=r"@remat row needs XLA_FLAGS=--xla_gpu_memory_limit"):
         benchmark.main(["--in-process", "--models", "tiny_gpt", "--policies", "float32@remat"])
     out = tmp_path / "remat.jsonl"

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from keras_mp.cli.measure import POLICIES, _names, default_jit, remat_env, run_one
+from keras_mp.cli.measure import POLICIES, _names, config_env, default_jit, run_one
 from keras_mp.cli.workloads import WORKLOADS
 
 __all__ = [
@@ -62,9 +62,9 @@ def _subprocess(args, model_name: str, policy: str) -> dict:
         policy,
         *_passthrough(args),
     ]
-    env = dict(os.environ, KERAS_BACKEND=args.backend, **dict(_env_pairs(args.env)))
-    if policy.partition("@")[2] == "remat":
-        env = remat_env(env)
+    env = config_env(
+        policy, dict(os.environ, KERAS_BACKEND=args.backend, **dict(_env_pairs(args.env)))
+    )
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:

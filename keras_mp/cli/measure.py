@@ -44,10 +44,10 @@ from keras_mp.cli.workloads import WORKLOADS
 __all__ = [
     "POLICIES",
     "REMAT_XLA_FLAG",
+    "config_env",
     "default_jit",
     "each_in_own_process",
     "model_and_batch",
-    "remat_env",
     "run_one",
 ]
 
@@ -100,12 +100,13 @@ def _names(kind: str, text: str, valid) -> list:
     return names
 
 
-def remat_env(environ) -> dict:
-    """`environ` with `REMAT_XLA_FLAG` added to its `XLA_FLAGS`: a `@remat` row's process."""
+def config_env(policy: str, environ) -> dict:
+    """The environment of the process that runs `policy`: a copy of `environ`, with
+    `REMAT_XLA_FLAG` added to its `XLA_FLAGS` for a `@remat` policy."""
     flags = environ.get("XLA_FLAGS", "")
-    if REMAT_XLA_FLAG not in flags.split():
-        flags = f"{flags} {REMAT_XLA_FLAG}".strip()
-    return {**environ, "XLA_FLAGS": flags}
+    if policy.partition("@")[2] != "remat" or REMAT_XLA_FLAG in flags.split():
+        return dict(environ)
+    return {**environ, "XLA_FLAGS": f"{flags} {REMAT_XLA_FLAG}".strip()}
 
 
 def default_jit(policy: str, backend: str, on_gpu: bool) -> bool:
@@ -261,16 +262,14 @@ def each_in_own_process(
     script: str, models: str, policies: str, extra: list, backend: str, out=None
 ) -> int:
     """Runs `script --one --models M --policies P *extra` once per configuration, each in
-    its own process (a `@remat` one with `remat_env`), prints the JSON record each prints
+    its own process (environment: `config_env`), prints the JSON record each prints
     after `RESULT ` (an error record with its stderr's end if none) and appends it to the
     file `out`. Returns 1 if a configuration failed, else 0."""
     status = 0
     for model in models.split(","):
         for policy in policies.split(","):
             cmd = [sys.executable, script, "--one", "--models", model, "--policies", policy]
-            env = dict(os.environ, KERAS_BACKEND=backend)
-            if policy.partition("@")[2] == "remat":
-                env = remat_env(env)
+            env = config_env(policy, dict(os.environ, KERAS_BACKEND=backend))
             done = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env)
             lines = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if not lines:
@@ -300,7 +299,7 @@ def run_one(
     Args:
         model_name: a key of `WORKLOADS`.
         policy: a key of `POLICIES` (with an optional `@jit` / `@nojit` / `@remat` suffix;
-            `@remat` needs `REMAT_XLA_FLAG` in this process's `XLA_FLAGS`: `remat_env`).
+            `@remat` needs `REMAT_XLA_FLAG` in this process's `XLA_FLAGS`: `config_env`).
         steps: timed train steps (each `train_on_batch` returns a host float: synchronous).
         warmup: untimed steps after the first, compiling one.
         jit_compile: XLA on/off; `None` takes the suffix, else `default_jit`.
