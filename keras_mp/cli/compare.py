@@ -18,6 +18,7 @@ learning rate the effect is weaker or absent; the table shows whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -30,8 +31,9 @@ import numpy as np
 import keras_mp as kmp
 from keras_mp import callbacks as kmp_callbacks
 from keras_mp import losses as kmp_losses
-from keras_mp.cli.data import MODELS, Dataset, build_model, load_dataset
+from keras_mp.cli.data import Dataset, build_model, load_dataset
 from keras_mp.cli.records import EpochRecorder, peak_memory, reset_peak_memory
+from keras_mp.cli.settings import DEFAULT_POLICIES, CompareConfig
 
 __all__ = [
     "DEFAULT_POLICIES",
@@ -42,7 +44,6 @@ __all__ = [
     "verdict",
 ]
 
-DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 LABELS = {
     "float32": "float32",
     "mixed_float16": "mixed float16",
@@ -50,9 +51,6 @@ LABELS = {
     "float16": "pure float16",
     "bfloat16": "pure bfloat16",
 }
-OPTIMIZERS = ("adam", "sgd")
-SCHEDULES = ("cosine", "constant")
-JIT_MODES = ("auto", "on", "off")
 
 THRESHOLDS = {
     # |val acc - FP32 val acc| at most this: "matches FP32" (0.01 = 4 of 397 digits).
@@ -66,69 +64,20 @@ THRESHOLDS = {
 }
 
 
-@dataclasses.dataclass
-class CompareConfig:
-    """Settings of one comparison (the `keras-mp compare` options).
-
-    Args:
-        model: `"cnn"` (digits), `"mlp"` (digits) or `"transformer"` (generated sequences).
-        policies: precision modes, from `DEFAULT_POLICIES`.
-        epochs: training epochs per mode.
-        batch_size: batch size.
-        lr: peak learning rate.
-        optimizer: `"adam"` or `"sgd"` (momentum 0.9).
-        schedule: `"cosine"` (decay to 0 over the run) or `"constant"`.
-        jit: `"auto"` (XLA for float16 modes, Keras' default otherwise), `"on"`, `"off"`.
-        seed: seed for the split, the initial weights and the batch order.
-        limit: train on only this many samples (quick runs).
-    """
-
-    model: str = "cnn"
-    policies: tuple = DEFAULT_POLICIES
-    epochs: int = 20
-    batch_size: int = 32
-    lr: float = 3e-4
-    optimizer: str = "adam"
-    schedule: str = "cosine"
-    jit: str = "auto"
-    seed: int = 0
-    limit: int | None = None
-
-    def __post_init__(self):
-        def choose(name, choices):
-            if getattr(self, name) not in choices:
-                raise ValueError(
-                    f"--{name.replace('_', '-')}: {getattr(self, name)!r} is not one of "
-                    f"{', '.join(choices)}."
-                )
-
-        choose("model", MODELS)
-        choose("optimizer", OPTIMIZERS)
-        choose("schedule", SCHEDULES)
-        choose("jit", JIT_MODES)
-        self.policies = tuple(self.policies)
-        if not self.policies:
-            raise ValueError("--policies: give at least one policy.")
-        for p in self.policies:
-            if p not in DEFAULT_POLICIES:
-                raise ValueError(
-                    f"--policies: unknown policy {p!r}; choose from {', '.join(DEFAULT_POLICIES)}."
-                )
-        if len(set(self.policies)) != len(self.policies):
-            raise ValueError(f"--policies: a policy is repeated in {','.join(self.policies)}.")
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer.")
-        if self.limit is not None and self.limit < 8:
-            raise ValueError("--limit: must be at least 8 samples.")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"--lr: must be a positive number, got {self.lr!r}.")
+@contextlib.contextmanager
+def _pure_modes_expected():
+    """Hides a pure policy's "no FP32 master weights" warning: the comparison runs those
+    modes on purpose (the warning also comes when `kmp.convert` rebuilds the policy)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"Policy '(b)?float16' keeps variables", category=UserWarning
+        )
+        yield
 
 
 def _policy(name: str) -> kmp.Policy:
     """Mixed modes keep kmp's FP32 keep-list; pure modes are all-low-precision."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the pure-mode warning: we know
+    with _pure_modes_expected():
         if name in ("float16", "bfloat16"):
             return kmp.Policy(name, keep_fp32=())
         return kmp.Policy(name)
@@ -170,7 +119,8 @@ def run_policy(
     """
     steps_per_epoch = math.ceil(len(data.x_train) / cfg.batch_size)
     keras.utils.set_random_seed(cfg.seed)  # same batch order in every mode
-    model = kmp.convert(base, _policy(policy))
+    with _pure_modes_expected():
+        model = kmp.convert(base, _policy(policy))
     opt = _optimizer(cfg, cfg.epochs * steps_per_epoch)
     if policy == "mixed_float16":
         opt = kmp.LossScaleOptimizer(opt)

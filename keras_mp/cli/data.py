@@ -12,6 +12,8 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
+from keras_mp.cli.settings import MODELS
+
 __all__ = [
     "MODELS",
     "Dataset",
@@ -21,9 +23,6 @@ __all__ = [
     "load_digits",
     "make_sequences",
 ]
-
-MODELS = ("cnn", "transformer", "mlp")
-
 
 class Dataset(NamedTuple):
     """A train/validation split of a classification task.
