@@ -39,15 +39,19 @@ import sys
 import time
 
 from keras_mp.cli.measure import POLICIES, _names, config_env, default_jit, run_one
+from keras_mp.cli.startup import strip_backend_logs
 from keras_mp.cli.workloads import WORKLOADS
 
 __all__ = [
     "POLICIES",
     "WORKLOADS",
+    "add_arguments",
     "add_speedups",
     "build_parser",
+    "check",
     "default_jit",
     "main",
+    "run_configurations",
     "run_one",
 ]
 
@@ -72,7 +76,8 @@ def _subprocess(args, model_name: str, policy: str) -> dict:
     lines = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
-    return {"error": f"exit status {proc.returncode}: {proc.stderr[-1500:]}"}
+    stderr = strip_backend_logs(proc.stderr)  # at the level the subprocess logged at
+    return {"error": f"exit status {proc.returncode}: {stderr[-1500:]}"}
 
 
 def _passthrough(args) -> list:
@@ -159,12 +164,18 @@ def _table(rows: list) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the harness (`keras-mp bench` / `benchmarks/run.py`)."""
+    """The argument parser of the harness (`benchmarks/run.py`, `python -m` this module)."""
     p = argparse.ArgumentParser(
         prog="keras-mp bench",
         description="Time train steps of GPT / ResNet-50 workloads under stock Keras and "
         "keras_mp precision policies, one subprocess per configuration, one JSON line each.",
     )
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the harness' options to `p` (`keras-mp bench` adds its own after them)."""
     p.add_argument(
         "--models",
         default="cpu_gpt,cpu_resnet",
@@ -228,28 +239,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every configuration in this process (tests; less isolated)",
     )
     p.add_argument("--one", nargs=2, metavar=("MODEL", "POLICY"), help=argparse.SUPPRESS)
-    return p
 
 
-def main(argv=None) -> int:
-    """Runs the harness; returns the exit status (1 if a configuration failed).
+def check(args: argparse.Namespace) -> tuple[list, list]:
+    """Checks parsed harness arguments before anything runs.
+
+    Returns:
+        `(models, policies)`: the names to run, policies in run order (`POLICIES`).
 
     Raises:
-        ValueError: on an unknown model or policy name (the message lists the valid ones).
+        ValueError: on an unknown model or policy name (the message lists the valid ones),
+            a malformed `--env`, or a count out of range.
     """
-    args = build_parser().parse_args(argv)
     for flag in ("steps", "timeout"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1. Received: {getattr(args, flag)}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0. Received: {args.warmup}")
-    def measure(model_name, policy):
-        return run_one(model_name, policy, args.steps, args.warmup, args.jit, args.keep_fp32,
-                       args.intra_op, args.inter_op)
-
-    if args.one:
-        print("RESULT " + json.dumps(measure(*args.one)), flush=True)
-        return 0
     models = _names("model", args.models, WORKLOADS)
     order = list(POLICIES)
     policies = sorted(
@@ -258,13 +264,38 @@ def main(argv=None) -> int:
     _env_pairs(args.env)
     if args.in_process and args.backend != os.environ.get("KERAS_BACKEND", "tensorflow"):
         raise ValueError("--in-process runs on this process's backend: set KERAS_BACKEND.")
+    return models, policies
+
+
+def _measure(args, model_name: str, policy: str) -> dict:
+    return run_one(model_name, policy, args.steps, args.warmup, args.jit, args.keep_fp32,
+                   args.intra_op, args.inter_op)
+
+
+def run_configurations(args: argparse.Namespace, on_start=None, on_row=None) -> list:
+    """Measures every configuration of parsed harness arguments; appends each to `--out`.
+
+    Args:
+        args: parsed arguments (`add_arguments`).
+        on_start: optional; called as `on_start(model, policy)` before each configuration.
+        on_row: optional; called with each record (speedups added) once it is measured.
+
+    Returns:
+        The records in run order; a failed or skipped configuration's has an `error`.
+
+    Raises:
+        ValueError: as `check`, before anything runs.
+    """
+    models, policies = check(args)
     rows, start = [], time.monotonic()
     for model_name in models:
         for policy in policies:
+            if on_start is not None:
+                on_start(model_name, policy)
             if args.budget and time.monotonic() - start > args.budget:
                 row = {"error": f"skipped: --budget {args.budget:g} s spent"}
             elif args.in_process:
-                row = measure(model_name, policy)
+                row = _measure(args, model_name, policy)
             else:
                 row = _subprocess(args, model_name, policy)
             if "error" in row:
@@ -273,11 +304,26 @@ def main(argv=None) -> int:
             else:
                 add_speedups(row, rows)
             rows.append(row)
-            line = json.dumps(row)
-            print(line, flush=True)
             if args.out:
                 with open(args.out, "a") as f:
-                    f.write(line + "\n")
+                    f.write(json.dumps(row) + "\n")
+            if on_row is not None:
+                on_row(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    """Runs the harness: one JSON line per configuration on stdout, a Markdown table on
+    stderr; returns the exit status (1 if a configuration failed).
+
+    Raises:
+        ValueError: on an unknown model or policy name (the message lists the valid ones).
+    """
+    args = build_parser().parse_args(argv)
+    if args.one:
+        print("RESULT " + json.dumps(_measure(args, *args.one)), flush=True)
+        return 0
+    rows = run_configurations(args, on_row=lambda row: print(json.dumps(row), flush=True))
     print(_table(rows), file=sys.stderr, flush=True)
     return 1 if any("error" in r for r in rows) else 0
 
