@@ -1,12 +1,18 @@
-"""`keras-mp audit MODEL.keras [--data NPZ]`: print `kmp.audit`'s report for a saved model."""
+"""`keras-mp audit MODEL.keras [--data NPZ]`: `kmp.audit`'s report for a saved model.
+
+A progress bar while the model loads and the audit probes it, the report, then one verdict
+line.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["load_batch", "run"]
+__all__ = ["load_batch", "run", "verdict"]
 
 
 def load_batch(path: str | None, model, batch: int = 32, seed: int = 0):
@@ -68,18 +74,69 @@ def _load(path: str):
         return keras.models.load_model(path)
 
 
+def verdict(report, path: str, forward_only: bool) -> str:
+    """The closing line of `keras-mp audit`: the model file, what was checked, the verdict."""
+    over = sum(1 for la in report.layers if la.overflow_risk)
+    low = sum(1 for la in report.layers if la.runs_low)
+    checked = "random inputs, forward checks only" if forward_only else "one batch"
+    return (
+        f"verdict: {os.path.basename(path)} ({len(report.layers)} layers, {checked}; "
+        f"{over} overflowing float16, {low} running low): {report.verdict}"
+    )
+
+
+@contextlib.contextmanager
+def _steps(con, total: int, enabled: bool) -> Iterator:
+    """Yields `step(description)`: one rich bar; each call after the first advances it."""
+    if not enabled:
+        yield lambda description: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bars = Progress(
+        TextColumn("{task.description:<32}"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=con,
+        transient=False,
+    )
+    task = bars.add_task("", total=total)
+    phases = []
+
+    def step(description: str):
+        if phases:
+            bars.advance(task)
+        phases.append(description)
+        bars.update(task, description=description)
+
+    with bars:
+        yield step
+        bars.update(task, completed=total)
+
+
 def run(args) -> int:
     """Runs `keras-mp audit` from parsed arguments; returns the exit status."""
+    from keras_mp.cli.report import console
+
     for module in ("layers", "losses", "callbacks"):  # register their objects for loading
         __import__(f"keras_mp.{module}")
     try:
         from keras_mp.audit import audit
     except ImportError as e:  # pragma: no cover
         raise ValueError(f"kmp.audit is not available in this installation ({e}).") from None
-    model = _load(args.model)
-    data = load_batch(args.data, model)
-    report = audit(model, data, loss_scale=args.loss_scale)
+    con = console()
+    with _steps(con, total=3, enabled=not args.no_progress) as step:
+        step(f"loading {os.path.basename(args.model)}")
+        model = _load(args.model)
+        step("reading the batch")
+        data = load_batch(args.data, model)
+        step(f"probing {len(model.layers)} layers")
+        report = audit(model, data, loss_scale=args.loss_scale)
+        step(f"audited {len(report.layers)} layers")
     if args.data is None:
-        print("note: no --data given: random inputs, forward checks only.")
-    print(report)
+        con.print("note: no --data given: random inputs, forward checks only.")
+    con.print(str(report), markup=False, soft_wrap=True)
+    con.print(verdict(report, args.model, forward_only=args.data is None), markup=False,
+              soft_wrap=True)
     return 0

@@ -11,6 +11,9 @@ def run(args) -> int:
 
     from keras_mp import hardware
 
+    report = hardware.report()
     print(f"keras {keras.__version__}, backend {keras.backend.backend()}")
-    print(hardware.report())
+    print(report)
+    if not any(d.kind != "CPU" for d in report.devices):
+        print(f"No GPU or TPU found: {report.backend} runs on the CPU.")
     return 0

@@ -193,7 +193,7 @@ def notes(rows: list[dict], cfg) -> list[str]:
 
     Args:
         rows: the results rows (with verdicts).
-        cfg: the `keras_mp.cli.compare.CompareConfig`.
+        cfg: the `keras_mp.cli.settings.CompareConfig`.
 
     Returns:
         A list of sentences (possibly empty).
@@ -236,22 +236,10 @@ def _json_default(value):
 
 def run(args) -> int:
     """Runs `keras-mp compare` from parsed arguments; returns the exit status."""
-    from keras_mp.cli.compare import CompareConfig, run_compare
+    from keras_mp.cli.compare import run_compare
+    from keras_mp.cli.settings import config_from_args
 
-    cfg = CompareConfig(
-        model=args.model,
-        policies=args.policies,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        schedule=args.schedule,
-        jit={None: "auto", True: "on", False: "off"}[args.jit],
-        seed=args.seed,
-        limit=args.limit,
-    )
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out: {args.out!r} exists and is not a directory.")
+    cfg = config_from_args(args)
     os.makedirs(args.out, exist_ok=True)
     con = console()
     with progress_bars(con, enabled=not args.no_progress) as factory:
