@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,23 @@ from keras_mp.cli.data import build_model, load_digits, make_sequences
 from keras_mp.cli.report import notes
 
 KERAS_MP = os.path.join(os.path.dirname(sys.executable), "keras-mp")
-TF_LOG_PREFIXES = ("WARNING: All log messages", "I0000", "W0000", "E0000")
+# What TensorFlow, absl and XLA print on stderr: absl's banner, C++ log lines (absl's
+# prefix: severity, MMDD, time, thread, file:line]; MMDD is 0000 before absl starts), the
+# cpu_feature_guard line's second line, and the Python loggers' default format.
+TF_LOG_PREFIXES = (
+    "WARNING: All log messages before absl::InitializeLog()",
+    "I0000",
+    "W0000",
+    "E0000",
+    "F0000",
+    "To enable the following instructions",
+    "WARNING:tensorflow:",
+    "WARNING:absl:",
+    "ERROR:absl:",
+)
+TF_LOG_LINE = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\]")
+TF_LOG_WORDS = ("cudart_stub", "cpu_feature_guard", "oneDNN custom operations", "cuInit",
+                "absl::InitializeLog", "XLA service", "StreamExecutor")
 
 
 def _compare(tmp_path, *extra):
@@ -190,8 +207,11 @@ def test_audit_prints_the_report(tmp_path, capsys):
     for layer in ("dense0", "dense1", "logits"):
         assert layer in out
     assert "Verdict:" in out
-    assert main(["audit", str(path)]) == 0  # no data: random inputs, forward only
-    assert "random inputs" in capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("verdict: mlp.keras (4 layers, one batch; ")
+    assert main(["audit", str(path), "--no-progress"]) == 0  # no data: random inputs
+    out = capsys.readouterr().out
+    assert "random inputs" in out and "audited" not in out  # no progress bar
+    assert "random inputs, forward checks only" in out.splitlines()[-1]
 
 
 def test_doctor_prints_a_recommendation(capsys):
@@ -204,6 +224,53 @@ def test_doctor_prints_a_recommendation(capsys):
 def test_backend_option_reruns_under_that_backend(capfd):
     assert main(["doctor", "--backend", "jax"]) == 0
     assert "backend jax" in capfd.readouterr().out
+
+
+# -- bench ---------------------------------------------------------------------------------
+
+
+def test_bench_prints_progress_a_table_and_a_verdict(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    argv = ["bench", "--models", "tiny_gpt", "--policies", "keras_mp_mixed_bfloat16,float32",
+            "--steps", "1", "--warmup", "0", "--in-process", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tiny_gpt float32" in printed and "ms/step" in printed  # the progress bars
+    assert "× best FP32" in printed and "throughput" in printed  # the table
+    assert printed.splitlines()[-1].startswith("verdict: tiny_gpt: ")
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["policy"] for r in records] == ["float32", "keras_mp_mixed_bfloat16"]
+    # --json: the records on stdout, one per line; the rest on stderr.
+    assert main([*argv, "--json", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["policy"] for line in captured.out.splitlines()] == [
+        "float32", "keras_mp_mixed_bfloat16"]
+    assert "ms/step" not in captured.err  # --no-progress
+    assert captured.err.splitlines()[-1].startswith("verdict: tiny_gpt: ")
+
+
+def test_bench_verdict_names_the_fastest_low_precision_row():
+    from keras_mp.cli.bench import verdict as bench_verdict
+
+    def row(policy, ms, best=None, stock=None, jit=False, model="m"):
+        return {"model": model, "policy": policy, "jit_compile": jit, "step_ms_median": ms,
+                "speedup_vs_best_fp32": best, "speedup_vs_stock": stock}
+
+    rows = [row("float32", 10.0, 1.0), row("stock_mixed_bfloat16", 8.0, 1.25, 1.0),
+            row("keras_mp_mixed_bfloat16", 5.0, 2.0, 1.6),
+            {"model": "n", "policy": "float32", "error": "timeout after 5 s"}]
+    assert bench_verdict(rows) == (
+        "verdict: m: keras_mp_mixed_bfloat16 (no XLA) is 2.00× the best float32 step, 1.60× "
+        "stock Keras; n: no configuration ran; 1 of 4 configurations failed."
+    )
+    slow = [row("float32", 10.0, 1.0), row("stock_mixed_float16", 20.0, 0.5, 1.0, jit=True)]
+    assert bench_verdict(slow) == (
+        "verdict: m: no low-precision row beats float32 (best stock_mixed_float16 (XLA), "
+        "0.50×)."
+    )
+    assert bench_verdict([row("float32", 10.0, 1.0)]) == (
+        "verdict: m: float32 (no XLA) is fastest, 10.0 ms/step."
+    )
 
 
 # -- errors and help -----------------------------------------------------------------------
@@ -272,21 +339,163 @@ def test_help_on_every_command(capsys):
         assert "--help" in out
 
 
-def test_installed_script_reports_errors_in_one_line(tmp_path):
+# -- the installed script: fast, and only its own output ---------------------------------
+
+
+def _log_noise(stderr: str) -> list:
+    return [
+        line for line in stderr.splitlines()
+        if line.startswith(TF_LOG_PREFIXES) or TF_LOG_LINE.match(line)
+        or any(word in line for word in TF_LOG_WORDS)
+    ]
+
+
+def _script(*argv, python_flags=(), timeout=300, **env):
+    """Runs the installed `keras-mp` as a user would: no TF_CPP_MIN_LOG_LEVEL of ours."""
     assert os.path.exists(KERAS_MP), "keras-mp is not installed in this environment"
-    proc = subprocess.run(
-        [KERAS_MP, "compare", "--policies", "fp8"],
-        capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("TF_CPP_MIN_LOG_LEVEL", "GRPC_VERBOSITY")}
+    environ.update(env)
+    return subprocess.run(
+        [sys.executable, *python_flags, KERAS_MP, *argv],
+        capture_output=True, text=True, timeout=timeout, env=environ,
     )
+
+
+def _imported(importtime_stderr: str) -> set:
+    """Top-level module names in `python -X importtime` output."""
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize(
+    "argv, status, stdout_start",
+    [
+        (["--help"], 0, "usage: keras-mp [-h] COMMAND"),
+        (["compare", "--help"], 0, "usage: keras-mp compare"),
+        (["bench", "--help"], 0, "usage: keras-mp bench"),
+        (["compare", "--policies", "fp8"], 2, ""),
+        (["audit", "no/such/model.keras"], 2, ""),
+    ],
+)
+def test_help_and_argument_errors_import_no_backend(argv, status, stdout_start):
+    proc = _script(*argv, python_flags=("-X", "importtime"), timeout=120)
+    assert proc.returncode == status, proc.stderr[-2000:]
+    assert proc.stdout.startswith(stdout_start)
+    heavy = _imported(proc.stderr) & {"keras", "tensorflow", "jax", "torch", "numpy"}
+    assert not heavy, f"{argv} imported {heavy}"
+    own = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert not _log_noise("\n".join(own))
+    if status == 2:  # one line, as before
+        assert len(own) == 1 and own[0].startswith(f"keras-mp {argv[0]}: error: "), own
+    else:
+        assert own == []
+
+
+def test_installed_script_reports_errors_in_one_line():
+    proc = _script("compare", "--policies", "fp8", timeout=120)
     assert proc.returncode == 2
-    # TensorFlow logs a line or two at import whatever TF_CPP_MIN_LOG_LEVEL says; ours is one.
-    lines = [x for x in proc.stderr.splitlines() if x and not x.startswith(TF_LOG_PREFIXES)]
-    assert lines == [
+    assert proc.stderr.splitlines() == [
         "keras-mp compare: error: --policies: unknown policy 'fp8'; choose from float32, "
         "mixed_float16, mixed_bfloat16, float16, bfloat16."
     ], proc.stderr
     assert proc.stdout == ""
+
+
+def test_doctor_prints_no_log_lines_and_says_no_gpu_plainly():
+    proc = _script("doctor")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _log_noise(proc.stderr) == [], proc.stderr
+    assert proc.stderr == ""
+    assert "Recommended: policy" in proc.stdout
+    if "GPU" not in proc.stdout.split("CPU flags")[0]:  # no GPU listed: said in words
+        assert "No GPU or TPU found" in proc.stdout
+
+
+def test_compare_prints_its_table_and_no_log_lines(tmp_path):
+    proc = _script("compare", "--epochs", "1", "--limit", "64", "--policies", "float32",
+                   "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _log_noise(proc.stderr) == [], proc.stderr
+    assert "verdict" in proc.stdout and "reference" in proc.stdout
+    assert (tmp_path / "run" / "results.json").exists()
+
+
+def test_verbose_or_a_level_set_by_the_user_is_respected():
+    from keras_mp.cli import startup
+
+    env = {}
+    assert startup.quiet_environment(environ=env) == 3
+    assert env == {"TF_CPP_MIN_LOG_LEVEL": "3", "GRPC_VERBOSITY": "ERROR"}
+    env = {"TF_CPP_MIN_LOG_LEVEL": "1"}
+    assert startup.quiet_environment(environ=env) == 1 and env["TF_CPP_MIN_LOG_LEVEL"] == "1"
+    env = {}
+    assert startup.quiet_environment(verbose=True, environ=env) is None and env == {}
+
+
+def test_backend_log_lines_are_recognised():
+    from keras_mp.cli.startup import is_backend_log, strip_backend_logs
+
+    info = ("I0000 00:00:1796166419.053915    5034 cudart_stub.cc:31] Could not find cuda "
+            "drivers on your machine, GPU will not be used.")
+    warning = "W1130 12:01:02.123456   77 gpu_device.cc:2342] Cannot dlopen some GPU libraries."
+    cuinit = ("E0000 00:00:1796166455.149265    5619 cuda_platform.cc:52] failed call to "
+              "cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)")
+    error = "E1130 12:01:02.123456   77 some_op.cc:10] Something broke."
+    banner = ("WARNING: All log messages before absl::InitializeLog() is called are written "
+              "to STDERR")
+    ours = "keras-mp compare: error: --epochs: must be positive"
+    for line in (info, warning, cuinit, error, banner):
+        assert is_backend_log(line, 3), line
+    assert is_backend_log(cuinit, 1) and not is_backend_log(error, 2)  # E shown at level 2
+    assert is_backend_log(info, 1) and not is_backend_log(warning, 1)
+    assert not any(is_backend_log(line, 0) for line in (info, cuinit, banner))  # level 0: all
+    assert not is_backend_log(ours, 3)
+    text = "\n".join([banner, info, ours, cuinit, "UserWarning: x", ""])
+    assert strip_backend_logs(text, 3) == f"{ours}\nUserWarning: x\n"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
+def test_backend_option_imports_only_that_backend_once():
+    """`--backend jax` before Keras is imported: chosen in this process, no second process,
+    and TensorFlow is never imported."""
+    code = (
+        "import sys, keras_mp_launcher\n"
+        "sys.argv = ['keras-mp', 'doctor', '--backend', 'jax']\n"
+        "status = keras_mp_launcher.main()\n"
+        "import keras\n"
+        "print('RESULT', status, keras.backend.backend(), 'tensorflow' in sys.modules)\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=environ)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "RESULT 0 jax False" in proc.stdout.splitlines()
+    assert "backend jax" in proc.stdout
+
+
+def test_deferred_package_init_still_registers_keras_mp_objects():
+    """The launcher defers `keras_mp`'s init; the first use of the package runs it whole."""
+    code = (
+        "import sys, keras_mp_launcher\n"
+        "keras_mp_launcher.defer_package_init()\n"
+        "import keras_mp.cli.parser\n"
+        "assert 'keras' not in sys.modules\n"
+        "import keras_mp\n"
+        "opt = keras_mp.LossScaleOptimizer\n"
+        "import keras\n"
+        "name = keras.saving.get_registered_name(opt)\n"
+        "assert keras.saving.get_registered_object(name) is opt, name\n"
+        "from keras_mp import losses, hardware\n"
+        "print('OK', name)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("OK keras_mp>")
 
 
 # -- the default experiment ----------------------------------------------------------------
