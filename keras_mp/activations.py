@@ -5,9 +5,8 @@ float16/bfloat16 tensor, computes in float32, rounds once to the tensor's dtype,
 only its input for the backward pass, where the derivative `Phi(x) + x * phi(x)` is
 recomputed in float32. Differentiating Keras' GELU keeps its intermediates instead: under
 XLA (JAX, TensorFlow with `jit_compile=True`) the elementwise work fuses, but the fusion
-writes two or three more tensors of the input's size for the backward pass. On the GPT
-benchmark compiled for an H200 that is 4 tensors of 128 MiB per FFN instead of 2: 2 GiB of
-the step's 9.3 GiB peak (BENCHMARKS.md section 9).
+writes two or three more tensors of the input's size for the backward pass, a visible share
+of a transformer step's peak memory (benchmarks/BENCHMARKS.md).
 
 On TensorFlow outside XLA the same math runs as two XLA clusters (`keras_mp.tf.activations`:
 TF's executor would run each element-wise op as its own bfloat16 kernel), for tensors of at

@@ -5,9 +5,9 @@ BF16 and FP8 fast (GPU compute capability >= 7.0 / 8.0 / 8.9; CPUs with AVX512-F
 AVX512-BF16 or AMX), the TF32 state, and the recommended policy and `jit_compile`.
 `set_tf32(enabled)` switches TF32 matmuls for the backend in use.
 
-The CPU recommendation is measured (1024x1024 matmul, 20 runs, Xeon with AMX-BF16, 2 cores,
-2026-11-30): TensorFlow 2.21 float32 62 ms, bfloat16 9.9 ms without XLA but 74 ms with
-`jit_compile=True` (XLA:CPU does not use AMX); JAX 0.10 float32 72 ms, bfloat16 78 ms.
+The CPU recommendation follows measurements (benchmarks/BENCHMARKS.md): on CPUs with
+AVX512-BF16/AMX, TensorFlow's oneDNN kernels run bfloat16 matmuls several times faster than
+float32, but not under XLA (XLA:CPU does not use AMX); JAX's CPU backend gains nothing.
 """
 
 from __future__ import annotations
@@ -191,19 +191,18 @@ def recommend(devices, backend: str) -> tuple[str, bool, list]:
     cpu = devices[0]
     if backend == "tensorflow" and cpu.bf16:
         reasons = [
-            "this CPU has AVX512-BF16/AMX and TensorFlow's oneDNN kernels use them (a 1024^2 "
-            "matmul ran ~6x faster in bf16; whole training steps of a small GPT gained "
-            "1.76-2.02x with keras_mp's defaults, 1.29-1.44x with stock Keras; a small "
-            "ResNet-50 1.18x: convolution weight gradients and the FP32 optimizer update do "
-            "not speed up, see benchmarks/BENCHMARKS.md)",
-            "jit_compile=False: XLA:CPU does not use AMX (bfloat16 matmul 7x slower with it)",
+            "this CPU has AVX512-BF16/AMX and TensorFlow's oneDNN kernels use them: "
+            "transformer train steps gain most, convolutional ones less (their weight "
+            "gradients and the FP32 optimizer update do not speed up)",
+            "jit_compile=False: XLA:CPU does not use AMX (bfloat16 matmuls are much slower "
+            "with it)",
             "measure your model: keras-mp bench --models cpu_gpt "
             "--policies float32@nojit,keras_mp_mixed_bfloat16@nojit",
         ]
         if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0":
             reasons.append(
-                "warning: TF_ENABLE_ONEDNN_OPTS=0 disables oneDNN: bf16 then ran at 0.39x of "
-                "float32 here; unset it"
+                "warning: TF_ENABLE_ONEDNN_OPTS=0 disables oneDNN: bfloat16 is then slower "
+                "than float32; unset it"
             )
         return "mixed_bfloat16", False, reasons
     return "float32", backend == "jax", [

@@ -12,13 +12,10 @@ the Keras losses.
 forward pass keeps only the logits it was given (in their own dtype, e.g. bfloat16) and one
 log-sum-exp per row, and its backward pass writes the gradient `softmax - one_hot` straight
 in the logits' dtype. Keras' version up-casts the logits to a float32 copy and keeps float32
-softmax-sized intermediates for the backward pass: for issue 8's GPT (16384 tokens x 32768
-classes) XLA:CPU assigns 3.06 GiB of temporaries to projection + loss + gradients instead of
-6.06 GiB (`benchmarks/xla_memory.py --logits`). XLA:GPU fuses Keras' up-cast into its
-reductions too: compiled for an H200 both take 1.0 GiB there (a float32 projection, the
-usual advice, 2.0 GiB; BENCHMARKS.md section 9). On TensorFlow the same loss runs chunk by
-chunk on oneDNN's softmax (`keras_mp.tf.losses`): on the `cpu_gpt` benchmark the bfloat16
-step is 1.14-1.19x faster than with Keras' loss (TF's native kernel) and needs less memory.
+softmax-sized intermediates for the backward pass: about twice the temporaries for a large
+vocabulary where the compiler does not fuse the up-cast away (measured in
+benchmarks/BENCHMARKS.md). On TensorFlow the same loss runs chunk by chunk on oneDNN's
+softmax (`keras_mp.tf.losses`), faster than TensorFlow's native kernel.
 
 Example:
 

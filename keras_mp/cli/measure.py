@@ -70,8 +70,8 @@ POLICIES = {
 # pass given a memory limit (`REMAT_XLA_FLAG`, set in the row's subprocess before its backend
 # starts): on a GPU, XLA then recomputes cheap element-wise tensors in the backward pass
 # (layer-norm outputs, low-precision copies of the weights) instead of keeping them from the
-# forward pass. The limit is a share of the GPU's memory (5%: about 7 GiB on an H200, sized
-# for the `gpt` workload there); a CPU ignores it.
+# forward pass. The limit is a share of the GPU's memory (5%, sized for the `gpt` workload
+# on an H200); a CPU ignores it.
 _JIT_SUFFIX = {"jit": True, "nojit": False, "remat": True}
 REMAT_XLA_FLAG = "--xla_gpu_memory_limit_slop_factor=5"
 _ENV_KEYS = (

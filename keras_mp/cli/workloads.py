@@ -153,4 +153,5 @@ WORKLOADS = {
     "tiny_gpt": GPT(batch=2, seq=64, d_model=64, heads=4, layers=1, ffn=128, vocab=512),
     "tiny_resnet": ResNet(batch=4, size=32, classes=10, blocks=(1, 1, 1), width=8),
 }
-"""Workload name -> configuration. `gpt` and `resnet50` are the GPU sizes of issue 8."""
+"""Workload name -> configuration: `gpt` and `resnet50` for a GPU, `cpu_*` for a CPU,
+`tiny_*` for tests."""

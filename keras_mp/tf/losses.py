@@ -1,9 +1,9 @@
 """The fused sparse cross-entropy from logits, written for TensorFlow.
 
 TensorFlow's native `SparseSoftmaxCrossEntropyWithLogits` CPU kernel (what Keras' loss runs)
-is slow: about 67 ms of a 370 ms bfloat16 train step on the `cpu_gpt` benchmark (2048 x 8192
-logits), where oneDNN's softmax over the same logits takes 9 ms. It also computes the
-float32 gradient in the forward pass and keeps it until the backward pass. This version:
+is slow: several times slower than oneDNN's softmax over the same logits, a large share of a
+bfloat16 language-model step. It also computes the float32 gradient in the forward pass and
+keeps it until the backward pass. This version:
 
 - up-casts and takes oneDNN's float32 softmax over row chunks of about `chunk_elements`
   values (a `tf.while_loop` running two chunks at a time), so the float32 temporaries are
@@ -19,11 +19,9 @@ The log-sum-exp needs no second pass over the logits: at a row's maximum `m` the
 `exp(m - lse)`, never below `1 / classes`, so `lse = m - log(max(softmax))` exactly (to
 float32 rounding), also where the label's probability underflows.
 
-Measured on the `cpu_gpt` benchmark (BENCHMARKS.md section 6; TF allocator peaks from
-`get_memory_info`): the keras_mp bfloat16 step 1.14-1.19x faster than stock Keras' bfloat16
-step, with less memory: tensor peak 367-374 vs 382-386 MiB at batch 8, 902 vs 958 MiB at
-batch 24 (host RSS 1.27-1.28 vs 1.28-1.30 GiB at batch 8). Under `jit_compile=True` the
-public loss takes the `keras.ops` formulation instead (`compiling_with_xla`).
+The result: faster bfloat16 train steps than with Keras' loss, and a lower tensor peak
+(benchmarks/BENCHMARKS.md). Under `jit_compile=True` the public loss takes the `keras.ops`
+formulation instead (`compiling_with_xla`).
 
 Example:
 
@@ -61,8 +59,8 @@ def _chunked(fn, dtype, tail, rows, chunks, *tensors):
         return i + 1, out.write(i, fn(*parts))
 
     out = tf.TensorArray(dtype, size=chunks, infer_shape=False)
-    # Two iterations at once: 7% faster cpu_gpt steps than one (two oneDNN softmaxes in
-    # flight), +10-15 MiB of tensor peak (BENCHMARKS.md section 6).
+    # Two iterations at once: two oneDNN softmaxes in flight, faster steps for a slightly
+    # higher tensor peak.
     _, out = tf.while_loop(
         lambda i, _: i < chunks, body, (tf.constant(0), out), parallel_iterations=2
     )
@@ -106,8 +104,7 @@ def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CH
         rows_total = tf.shape(flat_labels)[0]
     if logits.dtype == f32:
         # Nothing to up-cast, so no float32 copies for chunks to bound, and chunks of the
-        # gradient would be assembled into a second buffer: one piece (at 2048 x 8192,
-        # 128 MiB of temporaries with the gradient instead of 184, same speed).
+        # gradient would be assembled into a second buffer: one piece.
         chunks, rows, padding = 1, rows_total, 0
     else:
         # As many chunks as needed for <= chunk_elements values each, then rows spread
@@ -149,7 +146,7 @@ def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CH
                 upstream = tf.where(flat_valid, upstream, 0.0)
             # Without this, where `upstream` is a constant (a plain mean of the losses: Grappler
             # folds it), TF's executor may run this loop while the forward loop still runs
-            # and hold its result until the backward pass (+30 MiB on cpu_gpt).
+            # and hold its result until the backward pass.
             with tf.control_dependencies([upstream, lse]):
                 again = tf.identity(z)
 
@@ -160,7 +157,7 @@ def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CH
                 dz = tf.nn.softmax(tf.cast(zc, f32)) * uc[:, None]
                 where = tf.stack([tf.range(tf.shape(yc)[0]), yc], axis=1)
                 # Chunk-sized: a scatter into the whole gradient may copy it (TF forwards the
-                # buffer only when nothing else holds it; seen to cost 130 MiB on cpu_gpt).
+                # buffer only when nothing else holds it).
                 return tf.cast(tf.tensor_scatter_nd_update(dz, where, at_label_c), z.dtype)
 
             parts = (pad(again), pad(upstream), pad(flat_labels), pad(at_label))

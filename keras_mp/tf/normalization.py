@@ -8,10 +8,9 @@ backward pass as one XLA cluster each (`jit_compile=True` functions called from 
 ordinary TF graph: XLA fuses the element-wise work into a few loops) and keeps, besides the
 input, only the float32 mean and reciprocal standard deviation of each row. XLA:CPU
 materialises the float32 inputs of its reductions, so rows go through the clusters in blocks
-of about `BLOCK_ELEMENTS` values: on a 4096 x 1024 bfloat16 input, forward and backward
-need 4x the input's bytes of temporaries against 10x for Keras' layer (17x in one block),
-and take 13-14 ms against Keras' 23 ms (2048 x 256: 2.4 vs 3.6 ms). The math is Keras'
-(float32 statistics, `rsqrt(variance + epsilon)`), normalising over the last axis.
+of about `BLOCK_ELEMENTS` values; it needs less than half the temporaries of Keras' layer
+and is faster on large inputs (benchmarks/BENCHMARKS.md). The math is Keras' (float32
+statistics, `rsqrt(variance + epsilon)`), normalising over the last axis.
 
 Example:
 
@@ -29,9 +28,8 @@ import functools
 __all__ = ["BLOCK_ELEMENTS", "MIN_ELEMENTS", "layer_norm_float32_math"]
 
 MIN_ELEMENTS = 2**17
-"""Smallest input `keras_mp.layers.LayerNormalization` sends here: forward + backward over
-rows of 64 bfloat16 values took 0.93 vs Keras' 0.67 ms at 65536 values, 1.67 vs 2.32 ms at
-262144 (2048 x 256: 2.4 vs 3.6 ms)."""
+"""Smallest input `keras_mp.layers.LayerNormalization` sends here: below it, launching the
+XLA clusters costs more than Keras' own kernels."""
 
 BLOCK_ELEMENTS = 2**19  # values per block of rows (XLA:CPU keeps ~4 float32 copies of one)
 

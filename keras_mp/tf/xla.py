@@ -48,13 +48,11 @@ def worth_a_cluster(x, min_elements: int, dtype=None) -> bool:
 
     Launching an XLA cluster costs tens of microseconds; below a few ten thousand values
     TensorFlow's own kernels are as fast (see the kernels' `MIN_ELEMENTS`). And XLA compiles
-    a cluster again for every new input shape (about 0.3 s each for a small transformer's
-    layer norms and GELUs): an unknown batch axis takes few values (`fit` traces its step
-    with one: the full batches and the last one), but an unknown inner axis (sequences
-    padded per batch, buckets; Keras relaxes the traced shapes when they keep changing)
-    can take hundreds, so such tensors take TensorFlow's own kernels (BENCHMARKS.md
-    section 8: 38 sequence lengths cost 19.7 s of first steps against stock Keras' 7.3 s
-    before this rule).
+    a cluster again for every new input shape: an unknown batch axis takes few values
+    (`fit` traces its step with one: the full batches and the last one), but an unknown
+    inner axis (sequences padded per batch, buckets; Keras relaxes the traced shapes when
+    they keep changing) can take hundreds, and the recompilations would cost more than the
+    kernels save, so such tensors take TensorFlow's own kernels.
 
     Args:
         x: A tensor (or anything with a `shape` and a `dtype`).
