@@ -458,6 +458,30 @@ def test_backend_log_lines_are_recognised():
     assert strip_backend_logs(text, 3) == f"{ours}\nUserWarning: x\n"
 
 
+def test_a_later_import_of_a_noisy_module_is_captured(tmp_path):
+    """With JAX as the backend, Keras may import TensorFlow after the backend started: that
+    first import is captured and filtered too."""
+    (tmp_path / "noisy_module.py").write_text(
+        "import os\n"
+        "os.write(2, b'I0000 00:00:1796166419.05 5034 cudart_stub.cc:31] no cuda\\n')\n"
+        "os.write(2, b'kept\\n')\n"
+    )
+    code = (
+        "import sys, keras_mp_launcher\n"
+        "keras_mp_launcher.defer_package_init()  # keras_mp.cli without Keras\n"
+        "from keras_mp.cli.startup import _QuietFirstImport\n"
+        "sys.meta_path.insert(0, _QuietFirstImport('noisy_module', 3))\n"
+        "import noisy_module\n"
+        "assert not any(isinstance(f, _QuietFirstImport) for f in sys.meta_path)\n"
+        "assert 'exec_module' not in vars(noisy_module.__loader__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == "kept\n"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
 def test_backend_option_imports_only_that_backend_once():
     """`--backend jax` before Keras is imported: chosen in this process, no second process,

@@ -14,6 +14,8 @@ Nothing here imports Keras at module level.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
 import logging
 import os
 import re
@@ -142,6 +144,38 @@ def captured_stderr(level: int | None) -> Iterator[None]:
                 sys.stderr.flush()
 
 
+class _QuietFirstImport(importlib.abc.MetaPathFinder):
+    """Finds module `name` as usual, once; its import then runs with stderr captured.
+
+    With the JAX or PyTorch backend Keras may still import TensorFlow later (e.g.
+    `keras.utils.set_random_seed` seeds it when it is installed), and TensorFlow prints its
+    first log lines while it loads.
+    """
+
+    def __init__(self, name: str, level: int):
+        self.name, self.level = name, level
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; the other finders answer the lookup below
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module  # this spec's own loader instance
+
+        def exec_module(module):
+            try:
+                with captured_stderr(self.level):
+                    execute(module)
+            finally:
+                del loader.exec_module
+
+        loader.exec_module = exec_module
+        return spec
+
+
 def quiet_python_loggers() -> None:
     """TensorFlow's, absl's and JAX's platform Python loggers: errors only."""
     for name in _PYTHON_LOGGERS:
@@ -164,7 +198,8 @@ def start(verbose: bool = False) -> str:
     """Imports keras_mp (which registers its objects) with Keras and its backend, quietly.
 
     The backend is the one `KERAS_BACKEND` names (or Keras' configured default); it is
-    imported once, here, and its devices are listed.
+    imported once, here, and its devices are listed. When that backend is not TensorFlow,
+    a later import of TensorFlow is captured the same way.
 
     Args:
         verbose: True keeps the backend's own logging as the environment sets it.
@@ -183,6 +218,9 @@ def start(verbose: bool = False) -> str:
         keras_mp.__version__  # noqa: B018 - runs the package's init if the launcher deferred it
         backend = keras.backend.backend()
         _list_devices(backend)
+    if level is not None and "tensorflow" not in sys.modules:
+        if importlib.util.find_spec("tensorflow") is not None:
+            sys.meta_path.insert(0, _QuietFirstImport("tensorflow", level))
     if not verbose:
         quiet_python_loggers()  # again: a backend may configure its logger when imported
     return backend
