@@ -36,7 +36,7 @@ def _memory(row: dict) -> str:
     text = f"{row['peak_mem_gib']:.2f} GiB " + ("RSS" if row["peak_mem_kind"] == "host_rss"
                                                  else "device")
     if "tensor_peak_mib" in row:
-        text += f" (tensors {row['tensor_peak_mib']:.0f} MiB)"
+        text += f" (tensors {row['tensor_peak_mib']:.3g} MiB)"
     return text
 
 
