@@ -1,4 +1,5 @@
-"""What this machine accelerates, which policy to train with, and the TF32 switch.
+"""What this machine accelerates, which policy to train with, the TF32 switch, and the
+deterministic mode (`set_deterministic`, implemented in `keras_mp._determinism`).
 
 `report()` lists the devices the current Keras backend sees, whether each runs FP16,
 BF16 and FP8 fast (GPU compute capability >= 7.0 / 8.0 / 8.9; CPUs with AVX512-FP16,
@@ -18,12 +19,16 @@ import sys
 
 import keras
 
+from keras_mp._determinism import DeterminismReport, set_deterministic
+
 __all__ = [
+    "DeterminismReport",
     "Device",
     "HardwareReport",
     "cpu_features",
     "recommend",
     "report",
+    "set_deterministic",
     "set_tf32",
     "tf32_enabled",
 ]
