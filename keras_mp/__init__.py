@@ -15,7 +15,17 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 """
 
 # `audit` is the function: it is bound after the module of the same name is imported.
-from keras_mp import activations, callbacks, float8, formats, hardware, layers, losses, saving
+from keras_mp import (
+    activations,
+    callbacks,
+    fingerprint,
+    float8,
+    formats,
+    hardware,
+    layers,
+    losses,
+    saving,
+)
 from keras_mp.audit import AuditReport, audit
 from keras_mp.callbacks import LossScaleCollapseError
 from keras_mp.loss_scale import LossScaleOptimizer
@@ -44,6 +54,7 @@ __all__ = [
     "export_saved_model",
     "saving",
     "callbacks",
+    "fingerprint",
     "hardware",
     "float8",
     "audit",
