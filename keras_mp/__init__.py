@@ -17,28 +17,32 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 # `audit` is the function: it is bound after the module of the same name is imported.
 from keras_mp import (
     activations,
+    autoscale,
     callbacks,
     fingerprint,
     float8,
     formats,
     hardware,
+    keep_list,
     layers,
     losses,
     saving,
 )
 from keras_mp.audit import AuditReport, audit
 from keras_mp.callbacks import LossScaleCollapseError
+from keras_mp.convert import convert, plan
 from keras_mp.loss_scale import LossScaleOptimizer
 from keras_mp.policies import (
     DEFAULT_KEEP_FP32,
     Policy,
-    convert,
     global_policy,
     set_global_policy,
 )
 from keras_mp.tf.export import export_saved_model  # imports tensorflow only when called
 
 __version__ = "0.1.0"
+
+autoscale.install()  # compile() under a keras_mp policy gets kmp.LossScaleOptimizer
 
 __all__ = [
     "LossScaleOptimizer",
@@ -49,6 +53,8 @@ __all__ = [
     "DEFAULT_KEEP_FP32",
     "Policy",
     "convert",
+    "plan",
+    "keep_list",
     "global_policy",
     "set_global_policy",
     "export_saved_model",

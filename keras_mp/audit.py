@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from keras_mp._probe import gradients, layer_outputs, max_abs, output_layer_ids, to_numpy, unpack
-from keras_mp.policies import _emits_logits
+from keras_mp.keep_list import emits_logits
 
 __all__ = ["AuditReport", "LayerAudit", "VariableAudit", "audit"]
 
@@ -204,7 +204,7 @@ def _fp32_reason(layer, is_output: bool, keep_fp32) -> str | None:
         return "normalization"
     if names & set(_ATTENTION):
         return "attention softmax"
-    if is_output and not (_emits_logits(layer) and layer.variable_dtype == "float32"):
+    if is_output and not (emits_logits(layer) and layer.variable_dtype == "float32"):
         # A logits projection with FP32 master weights may run low: the loss up-casts.
         return "model output"
     for entry in keep_fp32 or ():

@@ -31,7 +31,7 @@ from keras import ops
 from keras.dtype_policies import DTypePolicyMap, QuantizedFloat8DTypePolicy
 
 from keras_mp import layers as kmp_layers
-from keras_mp.policies import _output_layers
+from keras_mp.keep_list import output_layers
 
 __all__ = [
     "Float8DTypePolicy",
@@ -294,7 +294,10 @@ def _to_float8(layer, recipe: Float8Recipe) -> None:
     """Quantizes a built stock `Dense`/`EinsumDense` to float8 under `recipe`, in place."""
     source = layer.dtype_policy
     if isinstance(source, DTypePolicyMap):
+        # Keras' quantize() reads the policy's name, which a map does not have: the layer
+        # gets its own plain policy (its config saves it).
         source = source[layer.path]
+        layer._dtype_policy = keras.DTypePolicy(source.name)
     layer.dtype_policy = Float8DTypePolicy(recipe, source.name)  # runs layer.quantize("float8")
     # Same state, Keras' `_float8_call` replaced by the recipe's; saved under this class.
     layer.__class__ = _FP8_CLASSES[type(layer)]
@@ -404,7 +407,7 @@ def apply_float8(model: keras.Model, recipe: Float8Recipe | None = None,
             "training so the optimizer tracks the FP8 scale variables (or compile again)."
         )
     model_fp32 = model.compute_dtype == "float32"
-    heads = frozenset() if include_outputs else frozenset(id(x) for x in _output_layers(model))
+    heads = frozenset() if include_outputs else frozenset(id(x) for x in output_layers(model))
 
     def wanted(layer):
         pinned = (layer.compute_dtype == "float32" and not model_fp32) or id(layer) in heads

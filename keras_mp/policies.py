@@ -1,26 +1,26 @@
-"""Precision policies, the FP32 keep-list, and one-call conversion of existing models.
+"""Precision policies: what a policy is.
 
 A `Policy` is a `keras.DTypePolicy` (compute and variable dtype) plus a keep-list of
-numerically sensitive layers that stay in float32. `set_global_policy` installs its base
-Keras policy for layers created afterwards; `convert` rebuilds an existing model under a
-policy with the keep-list applied and the weights carried over bit for bit.
+numerically sensitive layers that stay in float32 (`keras_mp.keep_list` says what its
+entries mean). `set_global_policy` installs its base Keras policy for layers created
+afterwards. Turning an existing model into a policy's model is `keras_mp.convert`.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import re
 import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import keras
-from keras.src.models.functional import Functional  # what keras.models.clone_model uses
+
+from keras_mp import keep_list
 
 __all__ = [
     "DEFAULT_KEEP_FP32",
     "VALID_NAMES",
     "Policy",
-    "convert",
     "global_policy",
     "set_global_policy",
 ]
@@ -37,128 +37,42 @@ _POLICIES = {
 }
 VALID_NAMES = tuple(_POLICIES)
 
-_SOFTMAX_NAMES = ("softmax", "log_softmax")
-_TOKENS = {
-    "softmax": "stock Softmax layers (convert swaps them for keras_mp.layers.Softmax, FP32 "
-    "inside), Activation('softmax'/'log_softmax'), any layer whose `activation` is softmax "
-    "or log_softmax, and the softmax sublayer of stock attention layers",
-    "attention": "convert swaps keras.layers.MultiHeadAttention for "
-    "keras_mp.layers.MultiHeadAttention (softmax in FP32); pins Attention/AdditiveAttention",
-    "output": "the layer(s) producing model.outputs: FP32 logits math. A linear projection "
-    "emitting logits (Dense/EinsumDense/Conv with a linear activation) keeps its matmul in the "
-    "compute dtype (FP32 accumulation) under mixed policies, since keras_mp.losses and Keras' "
-    "losses take the log-softmax in FP32; any other output layer (softmax, sigmoid or another "
-    "activation, a non-projection layer), and all of them under pure float16/bfloat16, is pinned",
-    "normalization": "normalization statistics in FP32: Keras' BatchNormalization, "
-    "LayerNormalization, GroupNormalization and RMSNormalization already compute them in "
-    "float32 internally and stay in the compute dtype (no extra casts) under mixed policies; "
-    "other normalization layers, and all of them under pure float16/bfloat16, are pinned",
-}
+DEFAULT_KEEP_FP32 = keep_list.DEFAULT_KEEP_FP32
+"""The default FP32 keep-list: `("softmax", "attention", "output", "normalization")`.
 
-# Keras normalization layers whose `call` up-casts to float32 for the statistics and casts
-# only the result back: pinning them would add FP32 activations and casts for nothing.
-_NATIVE_FP32_STATISTICS = (
-    keras.layers.BatchNormalization,
-    keras.layers.LayerNormalization,
-    keras.layers.GroupNormalization,
-    keras.layers.RMSNormalization,
-)
-_NORMALIZATION = _NATIVE_FP32_STATISTICS + (keras.layers.UnitNormalization,)
-
-# Output layers that are plain projections: with a linear activation they emit logits, whose
-# numerically sensitive part (the log-softmax and the loss) the losses take in FP32.
-_PROJECTIONS = (
-    keras.layers.Dense,
-    keras.layers.EinsumDense,
-    keras.layers.Conv1D,
-    keras.layers.Conv2D,
-    keras.layers.Conv3D,
-)
-
-DEFAULT_KEEP_FP32 = (
-    "softmax",
-    "attention",
-    "output",
-    "normalization",
-)
-"""The default FP32 keep-list.
-
-Entries are matched against each layer (nested layers included):
+Entries are matched against every layer of a model, nested ones included:
 
 - a layer class (e.g. `keras.layers.Dense`): matches instances, subclasses included;
-- a token: `"softmax"`, `"attention"`, `"output"` or `"normalization"` (see `Policy`);
+- a token: `"softmax"`, `"attention"`, `"output"` or `"normalization"` (see below);
 - any other string: a class name matched against the layer's class and its bases
   (`"BatchNormalization"` also matches `SyncBatchNormalization`), or an `fnmatch` pattern
   matched against the layer's name and path (`"*head*"`, `"encoder/*"`).
 
-Losses are not layers: use `keras_mp.losses`, which compute in FP32 whatever the input dtype
-(Keras' own losses default to float32 too). The `"output"` entry asks for FP32 math after the
-last matmul: an output layer that only projects to logits (Dense, EinsumDense or Conv with a
-linear activation) keeps its matmul in the compute dtype under the mixed policies (tensor
-cores accumulate in FP32; the loss up-casts the logits), because running the vocabulary
-projection of a language model in FP32 costs about a fifth of the whole step on a GPU (issue
-8's measurement: 22% of the step, 19% more memory). Output layers that do more (a softmax or
-sigmoid activation, a `Softmax`/`Activation` layer, anything else) are pinned, as are all of
-them under pure float16/bfloat16. To pin the logits projection too, add its name, e.g.
-`DEFAULT_KEEP_FP32 + ("head",)`.
+The tokens:
 
-`"normalization"` asks for FP32 statistics, which Keras' own BatchNormalization,
-LayerNormalization, GroupNormalization and RMSNormalization already compute internally:
-under the mixed policies they stay in the compute dtype (pinning them whole would only add
-FP32 activations and casts); `convert` rebuilds Keras' LayerNormalization as
-`keras_mp.layers.LayerNormalization` (the same math, with a fused TensorFlow kernel for
-low-precision inputs). To run a whole normalization layer in FP32 anyway, add its class
-name, e.g. `DEFAULT_KEEP_FP32 + ("LayerNormalization",)`.
+- `"softmax"`: softmax and log-softmax run in float32. A stock `Softmax` in a Functional or
+  Sequential graph becomes `keras_mp.layers.Softmax` (float32 inside, output in the compute
+  dtype); other softmax layers and layers whose activation is softmax are pinned.
+- `"attention"`: a stock `MultiHeadAttention` in a graph becomes
+  `keras_mp.layers.MultiHeadAttention`; inside a block (keras_hub's transformer layers) its
+  softmax sublayer is pinned instead; `Attention`/`AdditiveAttention` are pinned.
+- `"output"`: the leaf layer(s) producing the model's outputs are pinned, except a linear
+  logits projection under the mixed policies (tensor cores accumulate in float32 and the
+  loss takes the log-softmax in float32; running the vocabulary projection in float32
+  costs about a fifth of a language model's step on a GPU). A transformer block or a
+  nested model producing an output is not a head and is not pinned.
+- `"normalization"`: statistics in float32. Keras' BatchNormalization, LayerNormalization,
+  GroupNormalization and RMSNormalization compute them in float32 internally and are not
+  pinned; other Keras normalization layers are. To pin one whole anyway, add its class
+  name, e.g. `DEFAULT_KEEP_FP32 + ("LayerNormalization",)`.
+
+A pin covers the layer's sublayers, and a pin inside a block whose `call` combines its
+sublayers' outputs is lifted to the block (see `keras_mp.keep_list`). Losses are not layers:
+use `keras_mp.losses` (FP32 math whatever the input dtype).
 
 Extend with `DEFAULT_KEEP_FP32 + ("*head*",)`; remove entries by value, e.g.
 `tuple(e for e in DEFAULT_KEEP_FP32 if e != "output")`.
 """
-
-
-def _check_entry(entry: Any) -> Any:
-    if isinstance(entry, type) and issubclass(entry, keras.layers.Layer):
-        return entry
-    if isinstance(entry, str) and entry.strip():
-        return entry
-    raise ValueError(
-        f"Invalid keep_fp32 entry {entry!r}. Valid entries are keras.layers.Layer subclasses, "
-        f"layer class names (e.g. 'BatchNormalization'), fnmatch patterns over layer names or "
-        f"paths (e.g. '*head*'), or the tokens {sorted(_TOKENS)}."
-    )
-
-
-def _has_softmax_activation(layer: keras.layers.Layer) -> bool:
-    activation = getattr(layer, "activation", None)
-    return callable(activation) and getattr(activation, "__name__", "") in _SOFTMAX_NAMES
-
-
-def _emits_logits(layer: keras.layers.Layer) -> bool:
-    """A projection layer with a linear activation (its output is logits, nothing more)."""
-    if not isinstance(layer, _PROJECTIONS):
-        return False
-    activation = getattr(layer, "activation", None)
-    return activation is None or getattr(activation, "__name__", "") == "linear"
-
-
-def _entry_matches(entry: Any, layer: keras.layers.Layer, outputs: frozenset) -> bool:
-    if isinstance(entry, type):
-        return isinstance(layer, entry)
-    if entry == "softmax":  # keras_mp's own softmax layers already compute in FP32
-        if type(layer).__module__.startswith("keras_mp."):
-            return False
-        return isinstance(layer, keras.layers.Softmax) or _has_softmax_activation(layer)
-    if entry == "attention":
-        return isinstance(layer, (keras.layers.Attention, keras.layers.AdditiveAttention))
-    if entry == "output":
-        return id(layer) in outputs
-    if entry == "normalization":
-        return isinstance(layer, _NORMALIZATION)
-    mro = type(layer).__mro__
-    if any(entry in (c.__name__, keras.saving.get_registered_name(c)) for c in mro):
-        return True
-    return fnmatch.fnmatchcase(layer.name, entry) or (
-        layer.path is not None and fnmatch.fnmatchcase(layer.path, entry)
-    )
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -204,10 +118,10 @@ class Policy(keras.DTypePolicy):
         if isinstance(keep_fp32, (str, type)) or not isinstance(keep_fp32, Iterable):
             raise ValueError(
                 "keep_fp32 must be a list/tuple of entries (classes, class names, patterns or "
-                f"tokens {sorted(_TOKENS)}), e.g. DEFAULT_KEEP_FP32 + ('*head*',). "
+                f"tokens {sorted(keep_list.TOKENS)}), e.g. DEFAULT_KEEP_FP32 + ('*head*',). "
                 f"Received: keep_fp32={keep_fp32!r}"
             )
-        self._keep_fp32 = tuple(_check_entry(e) for e in keep_fp32)
+        self._keep_fp32 = tuple(keep_list.check_entry(e) for e in keep_fp32)
         super().__init__(name)
         self.float8_recipe = None
         if name == "float8":
@@ -256,54 +170,51 @@ class Policy(keras.DTypePolicy):
         return keras.DTypePolicy("mixed_bfloat16" if self.name == "float8" else self.name)
 
     def keep_entry(self, layer: keras.layers.Layer, output_layers: Iterable = ()) -> Any:
-        """The first keep-list entry matching `layer`, or `None`.
+        """The first keep-list entry matching `layer` on its own, or `None`.
 
         Args:
             layer: A Keras layer.
             output_layers: Layers producing the model outputs (for the `"output"` token).
 
         Returns:
-            The matching entry (class or string), or `None` if the layer is not pinned.
+            The matching entry (class or string), or `None`.
         """
         outputs = frozenset(id(x) for x in output_layers)
         for entry in self._keep_fp32:
-            if _entry_matches(entry, layer, outputs):
+            if keep_list.entry_matches(entry, layer, outputs):
                 return entry
         return None
 
     def for_layer(
         self, layer: keras.layers.Layer, output_layers: Iterable = ()
     ) -> keras.DTypePolicy:
-        """The Keras policy `layer` should run under.
+        """The Keras policy the keep-list gives `layer`, taken on its own.
+
+        Inside a model, `keras_mp.keep_list.plan` also applies the subtree and block rules
+        (a pinned block pins its sublayers; a pin inside a block is lifted to the block).
 
         Args:
             layer: A Keras layer.
             output_layers: Layers producing the model outputs (for the `"output"` token).
 
         Returns:
-            `keras.DTypePolicy("float32")` for keep-list layers under a low-precision policy
-            (except, with FP32 master weights, where the listed math is FP32 without pinning:
-            Keras' own normalization layers under `"normalization"`, logits projections
-            under `"output"`), else `self.base`.
+            `keras.DTypePolicy("float32")` for a pinned layer under a low-precision policy,
+            else `self.base`. Not pinned: Keras' normalization layers with float32
+            statistics, and linear logits projections under the mixed policies.
         """
         if not self.is_low_precision:
             return self.base
         outputs = frozenset(id(x) for x in output_layers)
-        for entry in self._keep_fp32:
-            if not _entry_matches(entry, layer, outputs):
-                continue
-            native = (entry == "normalization" and type(layer) in _NATIVE_FP32_STATISTICS) or (
-                entry == "output" and _emits_logits(layer)
-            )
-            if not (native and self.has_master_weights):
-                return keras.DTypePolicy("float32")
-        return self.base
+        entry, _ = keep_list.layer_rule(self, layer, outputs, graph_node=False)
+        return keras.DTypePolicy("float32") if entry is not None else self.base
 
     def dtype_policy_map(self, model: keras.Model) -> keras.dtype_policies.DTypePolicyMap:
-        """A `DTypePolicyMap` over the layer paths of a built `model`.
+        """The `DTypePolicyMap` that runs a built `model` under this policy.
 
-        Keys are the paths of the keep-list layers (value: float32); every other path
-        resolves to the map's default, `self.base`.
+        Keys are the paths of the pinned layers (value: float32; a pinned block also has the
+        key `"path/.*"` for its sublayers); every other path resolves to the map's default,
+        `self.base`. `keras_mp.convert` gives every layer of the converted model this map,
+        so the pins are saved with the model and rebuilt by Keras and keras_hub on load.
 
         Args:
             model: A built Keras model.
@@ -311,13 +222,7 @@ class Policy(keras.DTypePolicy):
         Returns:
             A `keras.dtype_policies.DTypePolicyMap`.
         """
-        outputs = _output_layers(model)
-        policy_map = keras.dtype_policies.DTypePolicyMap(default_policy=self.base)
-        for layer in model._flatten_layers(include_self=False):
-            target = self.for_layer(layer, outputs)
-            if layer.path and target.name != self.base.name and layer.path not in policy_map:
-                policy_map[layer.path] = target
-        return policy_map
+        return policy_map(self, keep_list.plan(model, self), model)
 
     def get_config(self) -> dict:
         keep = [e.__name__ if isinstance(e, type) else e for e in self._keep_fp32]
@@ -408,80 +313,44 @@ def global_policy() -> Policy:
         return Policy(current)
 
 
-def _output_layers(model: keras.Model) -> list:
-    """The layers producing `model.outputs`: the logits layer(s).
+def _key(layer, parents: dict) -> str:
+    """A map key matching `layer`'s path, with the names of the models above it optional:
+    Keras puts a Sequential or subclassed model's name in its layers' paths when the model
+    builds them, and not when it is rebuilt from a saved config."""
+    models, parent = set(), parents.get(id(layer))
+    while parent is not None:
+        if isinstance(parent, keras.Model):
+            models.add(parent.name)
+        parent = parents.get(id(parent))
+    parts = layer.path.split("/")
+    head = [f"(?:{re.escape(p)}/)?" if p in models else re.escape(p) + "/" for p in parts[:-1]]
+    return "".join(head) + re.escape(parts[-1])
 
-    Descends into nested models, and walks back through a final stateless `Softmax` /
-    `Activation` to the layer whose output it normalises.
+
+def policy_map(policy: Policy, plan: keep_list.Plan, model: keras.Model):
+    """The `DTypePolicyMap` applying `plan` (from `keep_list.plan(model, policy)`).
+
+    Its default is a `Policy` of the base dtypes with the keep-list. Keys are regular
+    expressions (Keras matches a layer's path exactly first, then as `re.fullmatch`
+    patterns): each pinned layer's path, escaped, with the names of enclosing models
+    optional, plus `"path/.*"` for a pinned block's sublayers. `keras_mp.convert` gives the
+    map to the layers it cannot give a policy of their own (see `convert.apply_plan`).
     """
-    if isinstance(model, Functional):
-        found = [t._keras_history[0] for t in keras.tree.flatten(model.outputs)]
-    else:  # Sequential, or subclassed (no graph): the last top-level layer is the head
-        found = model.layers[-1:]
-    result = []
-    while found:
-        layer = found.pop()
-        result.append(layer)
-        if isinstance(layer, keras.Model):
-            result.extend(_output_layers(layer))
-        elif isinstance(layer, (keras.layers.Softmax, keras.layers.Activation)):
-            if isinstance(model, Functional) and layer._inbound_nodes:
-                node = layer._inbound_nodes[0]
-                found += [t._keras_history[0] for t in node.input_tensors]
-            elif layer in model.layers[1:]:
-                found.append(model.layers[model.layers.index(layer) - 1])
+    float32 = keras.DTypePolicy("float32")
+    with warnings.catch_warnings():  # a pure policy warned when it was made
+        warnings.simplefilter("ignore", UserWarning)
+        default = Policy(policy.base.name, keep_fp32=policy.keep_fp32)
+    result = keras.dtype_policies.DTypePolicyMap(default_policy=default)
+    layers, parents = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    by_address = {where[id(x)]: x for x in layers}
+    for pin in plan.pins:
+        layer = by_address.get(pin.path)
+        if layer is None or not layer.path:
+            continue
+        key = _key(layer, parents)
+        if key not in result:
+            result[key] = float32
+        if keep_list.sublayers(layer) and key + "/.*" not in result:
+            result[key + "/.*"] = float32
     return result
-
-
-def convert(model: keras.Model, policy: str | Policy) -> keras.Model:
-    """Returns a copy of `model` running under `policy`, with its weights.
-
-    Every layer (nested ones included) gets `policy.for_layer(layer)`: float32 for the
-    keep-list, `policy.base` otherwise (a `dtype=` set on a source layer is replaced: add the
-    layer to the keep-list to keep it in FP32). Under the `"attention"` / `"softmax"` entries stock
-    `keras.layers.MultiHeadAttention` / `keras.layers.Softmax` become their `keras_mp.layers`
-    versions (same config and weights), as does `keras.layers.LayerNormalization` under
-    `"normalization"`; layers whose activation is Keras' GELU get `keras_mp.activations.gelu`.
-    The last two are the same math with fused TensorFlow kernels for low-precision tensors
-    (XLA clusters inside the ordinary TF graph: the GELU was the costliest element-wise work
-    of the bfloat16 `cpu_gpt` step on TF). Weights are copied exactly (FP32 master weights are
-    bit-identical; pure float16/bfloat16 policies round them). The original model is not
-    modified. Under `"float8"` the output layers keep their bfloat16 matmul (no FP8 for the
-    logits projection). If it was compiled, the copy is compiled from the same compile config;
-    compile it again to use `keras_mp.LossScaleOptimizer` / `keras_mp.losses`.
-
-    Supported: Functional and Sequential models (nested ones included), via
-    `keras.models.clone_model`, and subclassed models whose class round-trips through
-    `get_config()`/`from_config()` (Keras' automatic config of simple constructor arguments
-    counts); for those the `"output"` entry means the last layer in `model.layers`, and their
-    attention layers keep the stock class with the inner softmax pinned to float32. Every layer
-    must round-trip through `get_config()`/`from_config()`; the model must be built.
-
-    Args:
-        model: A built Keras model.
-        policy: A `Policy` or a policy name.
-
-    Returns:
-        A new, built `keras.Model`.
-
-    Raises:
-        ValueError: for an unknown policy name, an unbuilt model, or a layer / subclassed
-            model that cannot be rebuilt from its config (the message names it).
-
-    Example:
-
-    ```python
-    model = keras.applications.MobileNetV2(weights=None, input_shape=(64, 64, 3))
-    mixed = kmp.convert(model, "mixed_bfloat16")
-    mixed.get_layer("predictions").compute_dtype   # 'float32' (the output layer)
-    ```
-    """
-    from keras_mp._convert import convert_model
-
-    policy = _as_policy(policy)
-    new = convert_model(model, policy)  # float8 converts as mixed_bfloat16 + keep-list
-    if policy.name == "float8":
-        from keras_mp.float8 import apply_float8  # lazy: float8 imports this module
-
-        apply_float8(new, policy.float8_recipe)  # the output layers stay bfloat16
-    return new

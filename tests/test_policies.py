@@ -119,8 +119,8 @@ def test_for_layer_pins_keep_list_layers_only_under_low_precision():
         keras.layers.UnitNormalization(),
         keras.layers.Attention(),
     ]
-    # Keras' own BN/LN/GN/RMSNorm compute their statistics in float32 themselves: under a
-    # mixed policy they stay low (no extra casts); under a pure one they are pinned.
+    # Keras' own BN/LN/GN/RMSNorm compute their statistics in float32 themselves: they stay
+    # in the compute dtype (no extra casts), under pure policies too (weights low as all).
     native = [
         keras.layers.BatchNormalization(),
         keras.layers.LayerNormalization(),
@@ -131,7 +131,7 @@ def test_for_layer_pins_keep_list_layers_only_under_low_precision():
     assert [policy.for_layer(x).name for x in pinned] == ["float32"] * len(pinned)
     assert [policy.for_layer(x).name for x in free + native] == ["mixed_bfloat16"] * 7
     pure = _policy("bfloat16")
-    assert [pure.for_layer(x).name for x in native] == ["float32"] * len(native)
+    assert [pure.for_layer(x).name for x in native] == ["bfloat16"] * len(native)
     # The "output" token needs the model's output layers. A logits projection (linear
     # activation) keeps its matmul low under mixed policies (the losses take the log-softmax in
     # FP32); an output layer doing more, or any output layer under a pure policy, is pinned.
@@ -234,9 +234,9 @@ def test_convert_functional_pins_keep_list_and_copies_weights(policy_name):
         warnings.simplefilter("ignore", UserWarning)
         converted = kmp.convert(model, policy_name)
     assert converted is not model
-    # BN/LN compute FP32 statistics themselves: pinned only where variables would be low.
-    # So does the logits Dense under the mixed policy (its Softmax is FP32).
-    low = {"bn", "ln", "logits"} if policy_name == "bfloat16" else set()
+    # BN/LN compute FP32 statistics themselves: never pinned. The logits Dense runs low under
+    # the mixed policy (FP32 master weights; the pinned Softmax reads its output in FP32).
+    low = {"logits"} if policy_name == "bfloat16" else set()
     _check_converted(model, converted, policy_name, pinned={"probs"} | low)
     after = [keras.ops.convert_to_numpy(w.value) for w in model.weights]
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
@@ -308,30 +308,66 @@ class _Classifier(keras.Model):
         return {**super().get_config(), "classes": self.classes}
 
 
-@pytest.mark.parametrize("kind", ["functional", "subclassed"])
-def test_convert_pins_sublayers_of_custom_layers_before_build(kind):
+def _block_model(kind):
     if kind == "functional":
         inputs = keras.Input((8,))
-        model = keras.Model(
-            inputs, keras.layers.Dense(3, name="head")(_Block(name="block")(inputs))
-        )
-    else:
-        model = _Classifier()
-        model(np.zeros((1, 8), "float32"))
+        x = _Block(name="block")(inputs)
+        x = _Block(name="block2")(x)
+        return keras.Model(inputs, keras.layers.Dense(3, name="head")(x))
+    model = _Classifier()
+    model(np.zeros((1, 8), "float32"))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_convert_pure_policy_pins_with_fp32_variables(kind):
+    """Under a pure policy the model is rebuilt with low variables; pinned layers get FP32
+    variables, and a pin inside a block (`x + self.proj(x)`) is lifted to the block."""
+    model = _block_model(kind)
+    policy = _policy("float16", keep_fp32=kmp.DEFAULT_KEEP_FP32 + ("*block/proj",))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        converted = kmp.convert(model, "float16")  # pure: pinned variables must be FP32
+        converted = kmp.convert(model, policy)
     assert type(converted) is type(model)
-    proj, norm = converted.get_layer("block").proj, converted.get_layer("block").norm
-    assert (proj.compute_dtype, proj.kernel.dtype) == ("float16", "float16")
-    assert (norm.compute_dtype, norm.gamma.dtype) == ("float32", "float32")
+    pins = {p.path: p for p in converted.precision_plan.pins}
+    block_path = converted.get_layer("block").path
+    assert set(pins) == {block_path, converted.get_layer("head").path}
+    assert pins[block_path].note.startswith(f"lifted from '{block_path}/proj'")
+    for sub in (converted.get_layer("block").proj, converted.get_layer("block").norm):
+        assert (sub.compute_dtype, sub.variable_dtype) == ("float32", "float32")
+        assert all(v.dtype == "float32" for v in sub.weights)
     head = converted.get_layer("head")
     assert (head.compute_dtype, head.kernel.dtype) == ("float32", "float32")  # output layer
-    assert _weights_equal(model, converted) is False  # float16 copies are rounded ...
-    np.testing.assert_array_equal(  # ... but FP32-pinned layers are carried exactly
-        keras.ops.convert_to_numpy(norm.gamma.value),
-        keras.ops.convert_to_numpy(model.get_layer("block").norm.gamma.value),
+    if kind == "functional":
+        proj2 = converted.get_layer("block2").proj
+        assert (proj2.compute_dtype, proj2.kernel.dtype) == ("float16", "float16")
+        assert _weights_equal(model, converted) is False  # float16 copies are rounded ...
+    np.testing.assert_array_equal(  # ... FP32-pinned layers are carried exactly
+        keras.ops.convert_to_numpy(converted.get_layer("block").proj.kernel.value),
+        keras.ops.convert_to_numpy(model.get_layer("block").proj.kernel.value),
     )
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(converted(x)), keras.ops.convert_to_numpy(model(x)),
+        atol=2e-2,
+    )
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_convert_mixed_pin_inside_a_block_pins_the_block(kind):
+    model = _block_model(kind)
+    policy = _policy("mixed_float16", keep_fp32=kmp.DEFAULT_KEEP_FP32 + ("*proj*",))
+    converted = kmp.convert(model, policy)
+    block = converted.get_layer("block")
+    assert {x.compute_dtype for x in block._flatten_layers()} == {"float32"}
+    assert "whole block runs in float32" in "".join(converted.precision_plan.notes)
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    y = converted(x)  # TF would reject float16 + float32 inside the block
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(keras.ops.cast(y, "float32")),
+        keras.ops.convert_to_numpy(model(x)), atol=1e-2,
+    )
+    assert _weights_equal(model, converted)
 
 
 def test_convert_swaps_attention_and_softmax_for_keras_mp_layers():
@@ -392,14 +428,21 @@ def test_convert_rejects_unbuilt_and_unclonable_models():
         def __init__(self, layer):
             super().__init__()
             self.layer = layer
+            self.head = keras.layers.Dense(2)
 
         def call(self, x):
-            return self.layer(x)
+            return self.head(self.layer(x))
 
-    model = NoConfig(keras.layers.Dense(2))
+    model = NoConfig(keras.layers.Dense(4))
     model(np.zeros((1, 3), "float32"))
-    with pytest.raises(ValueError, match="get_config"):
-        kmp.convert(model, "mixed_bfloat16")
+    # A model without a usable get_config() converts: it is copied, not rebuilt.
+    for name in ("mixed_bfloat16", "bfloat16"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            converted = kmp.convert(model, name)
+        assert converted.layer.compute_dtype == "bfloat16" and converted.layer is not model.layer
+        assert converted.layer.kernel.dtype == _policy(name).variable_dtype
+    assert model.layer.kernel.dtype == "float32"
     with pytest.raises(ValueError, match="Valid names"):
         kmp.convert(_mlp(), "fp16")
 
@@ -442,9 +485,9 @@ def test_converted_model_saves_and_loads_without_keras_mp_policy(tmp_path):
     path = str(tmp_path / "mixed.keras")
     converted.save(path)
     loaded = keras.saving.load_model(path)
-    dtypes = {x.name: x.dtype_policy.name for x in loaded.layers[1:]}  # after the InputLayer
-    assert dtypes == {x.name: x.dtype_policy.name for x in converted.layers[1:]}
-    assert dtypes["probs"] == "float32" and dtypes["hidden"] == "mixed_bfloat16"
+    dtypes = {x.name: x.compute_dtype for x in loaded.layers[1:]}  # after the InputLayer
+    assert dtypes == {x.name: x.compute_dtype for x in converted.layers[1:]}
+    assert dtypes["probs"] == "float32" and dtypes["hidden"] == "bfloat16"
     assert _weights_equal(converted, loaded)
 
 

@@ -1,0 +1,241 @@
+"""`convert`: an existing model, turned into a policy's model.
+
+The model is copied as it is (`keras_mp.model_copy`: no layer needs to survive a
+`get_config()` round trip), then every layer of the copy gets one `DTypePolicyMap`: default
+the policy's base dtypes, float32 for the paths the plan pins (`keras_mp.keep_list`).
+Keras resolves the map per layer path, and Keras' and keras_hub's configs save it, so the
+pins come back when the model is loaded. Layers without a path get their policy directly.
+Under a pure float16/bfloat16 policy the variables of the low layers are then recast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from typing import Any
+
+import keras
+from keras.src.utils.tracking import DotNotTrackScope
+
+from keras_mp import keep_list
+from keras_mp.model_copy import copy_model, pair_layers, recast_variables
+from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, _as_policy, policy_map
+
+__all__ = ["apply_plan", "convert", "plan"]
+
+
+def plan(model: keras.Model, policy: str | Policy) -> keep_list.Plan:
+    """Which layers of `model` would run in float32 under `policy`, and why.
+
+    The same decision `convert` applies, without converting anything.
+
+    Args:
+        model: A built Keras model.
+        policy: A `Policy` or a policy name.
+
+    Returns:
+        A `keras_mp.keep_list.Plan`: `print` it, or `to_dict()`.
+
+    Example:
+
+    ```python
+    print(kmp.plan(model, "mixed_float16"))
+    ```
+    """
+    _check_model(model)
+    return keep_list.plan(model, _as_policy(policy))
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"convert() takes a keras.Model. Received: {type(model).__name__}")
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built: call it on data or use model.build(shape) "
+            "before convert(), so that there are weights to carry over."
+        )
+
+
+def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
+    """Runs `model` under `the_plan` in place: policies, then keras_mp layer versions.
+
+    A layer inside a Functional/Sequential model whose config lists its layers (a graph
+    node, or a sublayer of one) gets a plain policy (float32 or the base), which the node's
+    config saves. Every other layer with a path (in a keras_hub model, whose config saves
+    only the model's dtype, or in a subclassed model) gets `pmap`, resolved by its path:
+    where a key misses, an exact one is added; so does such a model itself. Layers without a
+    path, which Keras does not resolve through a map, get their policy directly. Then the
+    plan's swaps, and keras_mp's layer norm and GELU kernels (same state, config and math).
+    """
+    policy = the_plan.policy
+    float32, base = keras.DTypePolicy("float32"), keras.DTypePolicy(policy.base.name)
+    layers, parents = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    model._dtype_policy = pmap  # keras_hub saves it; the compile hook reads it
+
+    def saved_by_a_graph(layer) -> bool:
+        if isinstance(layer, keras.Model) and not keep_list.serializes_its_layers(layer):
+            return False  # it saves its own dtype, which must carry the map
+        parent = parents.get(id(layer))
+        while parent is not None and not isinstance(parent, keras.Model):
+            parent = parents.get(id(parent))
+        return keep_list.serializes_its_layers(parent if parent is not None else model)
+
+    for layer in layers:
+        if isinstance(layer, keras.layers.InputLayer) or layer.quantization_mode is not None:
+            continue
+        want = float32 if where.get(id(layer)) in the_plan.float32 else base
+        if not layer.path or saved_by_a_graph(layer):
+            layer._dtype_policy = want
+            continue
+        layer._dtype_policy = pmap  # the public setter would write into a shared map
+        if pmap[layer.path].compute_dtype != want.compute_dtype:
+            pmap[re.escape(layer.path)] = want
+    if policy.is_low_precision:
+        _swap_layers(layers, where, the_plan, policy)
+
+
+def _track_after_dropout(attention, softmax) -> None:
+    """Puts the softmax where a built `keras_mp.layers.MultiHeadAttention` tracks it."""
+    tracked, dropout = attention._layers, getattr(attention, "_dropout_layer", None)
+    if dropout is None or dropout not in tracked:
+        return
+    with DotNotTrackScope():
+        tracked.remove(softmax)
+        tracked.insert(tracked.index(dropout) + 1, softmax)
+
+
+def _swap_layers(layers, where: dict, the_plan: keep_list.Plan, policy: Policy) -> None:
+    from keras_mp import activations
+    from keras_mp import layers as kmp_layers
+
+    fast_norm = "normalization" in policy.keep_fp32
+    for layer in layers:
+        swap = the_plan.swaps.get(where[id(layer)])
+        if swap == "keras_mp.layers.Softmax" and type(layer) is keras.layers.Softmax:
+            layer.__class__ = kmp_layers.Softmax
+        elif swap == "keras_mp.layers.MultiHeadAttention":
+            if type(layer) is keras.layers.MultiHeadAttention:
+                layer.__class__ = kmp_layers.MultiHeadAttention
+                softmax = getattr(layer, "_softmax", None)
+                if type(softmax) is keras.layers.Softmax:
+                    softmax.__class__ = kmp_layers.Softmax
+                    _track_after_dropout(layer, softmax)
+        elif fast_norm and type(layer) is keras.layers.LayerNormalization:
+            if layer.compute_dtype != "float32":
+                layer.__class__ = kmp_layers.LayerNormalization
+        if getattr(layer, "activation", None) is keras.activations.gelu:
+            layer.activation = activations.gelu
+
+
+def _warn_unmatched(model: keras.Model, policy: Policy) -> None:
+    """Warns about user-added keep-list entries that match no layer (likely a typo)."""
+    outputs = frozenset(id(x) for x in keep_list.output_layers(model))
+    layers = model._flatten_layers(include_self=False)
+    unmatched = [
+        e
+        for e in policy.keep_fp32
+        if e not in DEFAULT_KEEP_FP32
+        and not any(keep_list.entry_matches(e, x, outputs) for x in layers)
+    ]
+    if unmatched and policy.is_low_precision:
+        warnings.warn(
+            f"keep_fp32 entries {unmatched} match no layer of model {model.name!r}.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _warn_stock_scaler(model: keras.Model) -> None:
+    from keras_mp.autoscale import stock_scaler_message
+
+    message = stock_scaler_message(model)
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def convert(model: keras.Model, policy: str | Policy | keep_list.Plan | Any) -> keras.Model:
+    """Returns a copy of `model` running under `policy`, with its weights.
+
+    Every layer runs in the policy's compute dtype except what its keep-list pins to
+    float32 (see `kmp.DEFAULT_KEEP_FP32` and `keras_mp.keep_list`): a pin covers the
+    layer's sublayers, a pin inside a block is lifted to the block, and `"output"` pins a
+    head, never the last block of a backbone. Stock `MultiHeadAttention`/`Softmax` layers of
+    a Functional or Sequential graph become their `keras_mp.layers` versions (softmax in
+    float32), Keras' `LayerNormalization` gets keras_mp's fused kernel and Keras' GELU
+    keras_mp's (same math). The decision is `kmp.plan(model, policy)`, and the result's
+    `precision_plan` attribute.
+
+    Any model Keras runs converts: the model is copied as it is (no `get_config()` round
+    trip of its layers), so keras_hub backbones and tasks, `keras.applications`, Functional,
+    Sequential and subclassed models, nested models and shared layers all work, and FP32
+    master weights are bit-identical. Pure `"float16"`/`"bfloat16"` rebuild the model from
+    its config (their variables are low precision) and carry each weight over by path. The
+    original is not modified. The pins are part of the saved model: every layer's dtype is
+    one `DTypePolicyMap`, which Keras and keras_hub save and rebuild on load. If the model
+    was compiled, the copy is compiled from the same config; under `"mixed_float16"` that
+    (and any later `compile`) gives it `kmp.LossScaleOptimizer` (see `keras_mp.autoscale`).
+
+    Args:
+        model: A built Keras model.
+        policy: A `Policy`, a policy name, or a `Plan` from `kmp.plan`.
+
+    Returns:
+        A new, built `keras.Model` of the same class.
+
+    Raises:
+        ValueError: for an unknown policy name, an unbuilt model, or a model that can be
+            neither copied nor rebuilt (the message names the reason).
+
+    Example:
+
+    ```python
+    model = keras.applications.MobileNetV2(weights=None, input_shape=(64, 64, 3))
+    mixed = kmp.convert(model, "mixed_bfloat16")
+    mixed.get_layer("predictions").compute_dtype   # 'float32' (a softmax head)
+    ```
+    """
+    _check_model(model)
+    if isinstance(policy, keep_list.Plan):
+        the_plan, policy = policy, policy.policy
+    else:
+        policy = _as_policy(policy)
+        _warn_unmatched(model, policy)
+        the_plan = keep_list.plan(model, policy)
+    _warn_stock_scaler(model)
+    try:
+        new, copied = copy_model(model)
+    except ValueError as e:
+        raise ValueError(f"convert: {e}") from e
+    if not copied:  # rebuilt from its config: paths may differ from the source's
+        the_plan = _translate(the_plan, model, new)
+    apply_plan(new, the_plan, policy_map(policy, the_plan, new))
+    if not policy.has_master_weights:
+        recast_variables(new)
+    if policy.name == "float8":
+        from keras_mp.float8 import apply_float8
+
+        apply_float8(new, policy.float8_recipe)  # the output layers stay bfloat16
+    if model.compiled and model.__dict__.get("_compile_config") is not None:
+        new.compile_from_config(model.get_compile_config())
+    new.precision_plan = the_plan
+    return new
+
+
+def _translate(the_plan: keep_list.Plan, model: keras.Model, new: keras.Model):
+    """`the_plan` with `model`'s layer addresses replaced by their counterparts' in `new`."""
+    old_where, new_where = keep_list.addresses(model), keep_list.addresses(new)
+    moved = {
+        old_where[id(a)]: new_where[id(b)]
+        for a, b in pair_layers(model, new)
+        if id(a) in old_where and id(b) in new_where
+    }
+    if all(k == v for k, v in moved.items()):
+        return the_plan
+    return dataclasses.replace(
+        the_plan,
+        pins=[dataclasses.replace(p, path=moved.get(p.path, p.path)) for p in the_plan.pins],
+        swaps={moved.get(k, k): v for k, v in the_plan.swaps.items()},
+        float32={moved.get(a, a) for a in the_plan.float32},
+    )

@@ -1,0 +1,464 @@
+"""The FP32 keep-list: what its entries mean, and which layers of a model it pins.
+
+A keep-list entry is a layer class, a class name, an `fnmatch` pattern over layer names and
+paths, or one of four tokens (`"softmax"`, `"attention"`, `"output"`, `"normalization"`).
+`plan(model, policy)` turns a policy's keep-list into a `Plan`: the layers of a model that
+run in float32, each with the reason, and the stock layers `convert` replaces by their
+keras_mp versions. It holds three rules that make pins safe on real architectures:
+
+1. **A pin covers a whole subtree.** Every sublayer of a pinned layer runs in float32, so a
+   composite layer's own math (a residual add, a gate) and its sublayers' outputs agree.
+2. **A pin inside an opaque block is lifted to the block.** A layer whose parent is a plain
+   layer with its own Python `call` (a transformer block, not a Functional model) cannot
+   be pinned alone: on TensorFlow the block's `x + sublayer(x)` fails on mixed dtypes, and
+   on JAX it silently promotes the rest of the block. The pin moves up to the outermost such
+   block (the child of a model) and the plan says so. Softmax layers are the exception:
+   attention code consumes probabilities through `keras.ops`, which promotes, or through a
+   `Dropout` layer, which casts back.
+3. **`"output"` pins a head, never a body.** It matches the layer(s) producing the model's
+   outputs only when they are leaf layers (a logits projection, a softmax); the last block
+   of a backbone is not a head. A linear logits projection keeps its low-precision matmul
+   under the mixed policies (FP32 accumulation; the loss takes the log-softmax in float32).
+
+Nothing here imports the rest of keras_mp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Iterable
+from typing import Any
+
+import keras
+from keras.src.models.functional import Functional
+from keras.src.models.sequential import Sequential
+
+__all__ = [
+    "DEFAULT_KEEP_FP32",
+    "TOKENS",
+    "Pin",
+    "Plan",
+    "check_entry",
+    "emits_logits",
+    "entry_matches",
+    "graph_nodes",
+    "addresses",
+    "has_native_fp32_statistics",
+    "layer_rule",
+    "layer_tree",
+    "output_layers",
+    "plan",
+    "serializes_its_layers",
+    "sublayers",
+]
+
+DEFAULT_KEEP_FP32 = ("softmax", "attention", "output", "normalization")
+
+TOKENS = {
+    "softmax": "softmax and log-softmax in float32: stock Softmax layers in a Functional or "
+    "Sequential graph become keras_mp.layers.Softmax (float32 inside, output in the compute "
+    "dtype); other Softmax layers, Activation('softmax'/'log_softmax') and layers whose "
+    "activation is softmax are pinned",
+    "attention": "stock MultiHeadAttention in a Functional or Sequential graph becomes "
+    "keras_mp.layers.MultiHeadAttention (softmax in float32); Attention and "
+    "AdditiveAttention are pinned; the softmax sublayer of any other attention is pinned by "
+    "'softmax'",
+    "output": "the leaf layer(s) producing the model's outputs (a head, never a block): "
+    "pinned, except a linear logits projection under the mixed policies (its matmul stays in "
+    "the compute dtype with FP32 accumulation; the loss takes the log-softmax in float32)",
+    "normalization": "normalization statistics in float32: Keras' BatchNormalization, "
+    "LayerNormalization, GroupNormalization and RMSNormalization compute them in float32 "
+    "internally and are not pinned; other Keras normalization layers are",
+}
+
+# Keras normalization layers whose `call` up-casts to float32 for the statistics.
+_NATIVE_FP32_STATISTICS = (
+    keras.layers.BatchNormalization,
+    keras.layers.LayerNormalization,
+    keras.layers.GroupNormalization,
+    keras.layers.RMSNormalization,
+)
+_NORMALIZATION = _NATIVE_FP32_STATISTICS + (keras.layers.UnitNormalization,)
+_PROJECTIONS = (
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+)
+# keras_hub's tied embedding: called with reverse=True it is the logits projection.
+_PROJECTION_NAMES = ("ReversibleEmbedding",)
+_SOFTMAX_NAMES = ("softmax", "log_softmax")
+
+
+def check_entry(entry: Any) -> Any:
+    """Returns `entry` if it is a valid keep-list entry, else raises `ValueError`."""
+    if isinstance(entry, type) and issubclass(entry, keras.layers.Layer):
+        return entry
+    if isinstance(entry, str) and entry.strip():
+        return entry
+    raise ValueError(
+        f"Invalid keep_fp32 entry {entry!r}. Valid entries are keras.layers.Layer subclasses, "
+        f"layer class names (e.g. 'BatchNormalization'), fnmatch patterns over layer names or "
+        f"paths (e.g. '*head*'), or the tokens {sorted(TOKENS)}."
+    )
+
+
+def _class_names(layer) -> set:
+    names = set()
+    for c in type(layer).__mro__:
+        names.add(c.__name__)
+        names.add(keras.saving.get_registered_name(c))
+    return names
+
+
+def _is_softmax_layer(layer) -> bool:
+    if isinstance(layer, keras.layers.Softmax):
+        return True
+    activation = getattr(layer, "activation", None)
+    return callable(activation) and getattr(activation, "__name__", "") in _SOFTMAX_NAMES
+
+
+def emits_logits(layer: keras.layers.Layer) -> bool:
+    """True for a projection with a linear activation: its output is logits, nothing more.
+
+    Dense, EinsumDense and Conv layers without an activation, and keras_hub's
+    `ReversibleEmbedding` (the tied logits projection of language models).
+    """
+    if _class_names(layer) & set(_PROJECTION_NAMES):
+        return True
+    if not isinstance(layer, _PROJECTIONS):
+        return False
+    activation = getattr(layer, "activation", None)
+    return activation is None or getattr(activation, "__name__", "") == "linear"
+
+
+def has_native_fp32_statistics(layer: keras.layers.Layer) -> bool:
+    """True for Keras normalization layers that compute their statistics in float32."""
+    return isinstance(layer, _NATIVE_FP32_STATISTICS)
+
+
+def entry_matches(entry: Any, layer: keras.layers.Layer, outputs: frozenset = frozenset()) -> bool:
+    """Whether keep-list `entry` names `layer`, taken on its own.
+
+    Args:
+        entry: A keep-list entry (see `check_entry`).
+        layer: A layer.
+        outputs: `id`s of the layers producing the model's outputs (for `"output"`).
+
+    Returns:
+        True if the entry matches. Tokens match by kind (`"normalization"` matches every
+        Keras normalization layer; `plan` decides which of them are actually pinned).
+    """
+    if isinstance(entry, type):
+        return isinstance(layer, entry)
+    if entry == "softmax":  # keras_mp's own layers already compute softmax in float32
+        return _is_softmax_layer(layer) and not type(layer).__module__.startswith("keras_mp.")
+    if entry == "attention":
+        return isinstance(layer, (keras.layers.Attention, keras.layers.AdditiveAttention)) or (
+            type(layer) is keras.layers.MultiHeadAttention
+        )
+    if entry == "output":
+        return id(layer) in outputs
+    if entry == "normalization":
+        return isinstance(layer, _NORMALIZATION)
+    if entry in _class_names(layer):
+        return True
+    return fnmatch.fnmatchcase(layer.name, entry) or (
+        layer.path is not None and fnmatch.fnmatchcase(layer.path, entry)
+    )
+
+
+def sublayers(layer) -> list:
+    """The layers `layer` tracks directly (its children)."""
+    return [c for c in getattr(layer, "_layers", []) if isinstance(c, keras.layers.Layer)]
+
+
+def _is_graph(model) -> bool:
+    return isinstance(model, (Functional, Sequential))
+
+
+def serializes_its_layers(model) -> bool:
+    """A Functional/Sequential model whose config lists its layers (Keras' own get_config)."""
+    return isinstance(model, Sequential) or (
+        isinstance(model, Functional) and type(model).get_config is Functional.get_config
+    )
+
+
+def graph_nodes(model: keras.Model) -> set:
+    """`id`s of the layers that are nodes of a Functional/Sequential graph whose config lists
+    its layers (`model` and the nested models of that kind): each saves its own config."""
+    layers, _ = layer_tree(model)
+    result = set()
+    for layer in [model, *layers]:
+        if serializes_its_layers(layer):
+            result.update(id(c) for c in layer.layers)
+    return result
+
+
+def layer_tree(model: keras.Model) -> tuple[list, dict]:
+    """Every layer under `model` once, parents first, and each layer's parent.
+
+    Returns:
+        `(layers, parents)`: the layers in depth-first order (`model` excluded), and a dict
+        `id(layer) -> parent layer` (the first parent found, for layers shared by several).
+    """
+    layers, parents, seen = [], {}, {id(model)}
+
+    def visit(parent):
+        for child in sublayers(parent):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            parents[id(child)] = parent
+            layers.append(child)
+            visit(child)
+
+    visit(model)
+    return layers, parents
+
+
+def output_layers(model: keras.Model) -> list:
+    """The layers producing `model.outputs`, nested models descended into.
+
+    A final stateless `Softmax`/`Activation` is walked back to the layer whose output it
+    normalises (both are returned). Subclassed models: the last layer they track.
+    """
+    if isinstance(model, Functional):
+        found = []
+        for t in keras.tree.flatten(model.outputs):
+            history = getattr(t, "_keras_history", None)
+            if history is not None:
+                found.append(history[0])
+    else:  # Sequential, or subclassed (no graph): the last top-level layer is the head
+        found = model.layers[-1:]
+    result, seen = [], set()
+    while found:
+        layer = found.pop()
+        if id(layer) in seen or isinstance(layer, keras.layers.InputLayer):
+            continue
+        seen.add(id(layer))
+        result.append(layer)
+        if isinstance(layer, keras.Model):
+            result.extend(output_layers(layer))
+        elif isinstance(layer, (keras.layers.Softmax, keras.layers.Activation)):
+            if isinstance(model, Functional) and layer._inbound_nodes:
+                node = layer._inbound_nodes[0]
+                found += [t._keras_history[0] for t in node.input_tensors]
+            elif layer in model.layers[1:]:
+                found.append(model.layers[model.layers.index(layer) - 1])
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    """One layer a plan runs in float32.
+
+    Attributes:
+        path: the layer's path (its name where it has none).
+        class_name: its class.
+        reason: why: the keep-list entry, `"source model"` (float32 in a low-precision
+            source model), or a calibration finding.
+        note: how the pin was placed, e.g. lifted from a sublayer.
+    """
+
+    path: str
+    class_name: str
+    reason: str
+    note: str = ""
+
+
+def addresses(model: keras.Model) -> dict:
+    """`id(layer) -> address` for every layer under `model`.
+
+    A layer's address is its path; a layer without one (Keras gives paths only to layers
+    with a `build` method: Softmax, Activation and Dropout have none) gets its parent's
+    address and its own name, `"parent/name"`.
+    """
+    layers, parents = layer_tree(model)
+    result = {}
+    for layer in layers:
+        if layer.path:
+            result[id(layer)] = layer.path
+        else:
+            parent = parents.get(id(layer))
+            prefix = result.get(id(parent)) if parent is not None else None
+            result[id(layer)] = f"{prefix}/{layer.name}" if prefix else layer.name
+    return result
+
+
+@dataclasses.dataclass
+class Plan:
+    """Which layers of a model run in float32 under a policy, and why.
+
+    `plan()` makes it; `keras_mp.convert` applies it. `str(plan)` lists the pins;
+    `to_dict()` gives the same as plain data.
+
+    Attributes:
+        policy: the `keras_mp.Policy`.
+        pins: the `Pin`s, outermost pinned layers only (their sublayers follow them).
+        swaps: stock layers replaced by their keras_mp versions (`address -> class`).
+        notes: decisions worth knowing (lifted pins, output blocks left alone).
+        float32: addresses (see `addresses`) of every layer that runs in float32: the
+            pins and their sublayers.
+    """
+
+    policy: Any
+    pins: list = dataclasses.field(default_factory=list)
+    swaps: dict = dataclasses.field(default_factory=dict)
+    notes: list = dataclasses.field(default_factory=list)
+    float32: set = dataclasses.field(default_factory=set, repr=False)
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy.name
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy_name,
+            "pins": [dataclasses.asdict(p) for p in self.pins],
+            "swaps": dict(self.swaps),
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"Conversion to {self.policy_name!r}: {len(self.pins)} layer(s) pinned to float32"
+        ]
+        for p in self.pins:
+            note = f"; {p.note}" if p.note else ""
+            lines.append(f"  {p.path} ({p.class_name}): {p.reason}{note}")
+        if self.swaps:
+            lines.append(f"  {len(self.swaps)} stock layer(s) replaced by keras_mp versions")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def layer_rule(policy, layer, outputs: frozenset = frozenset(), graph_node: bool = False):
+    """What `policy`'s keep-list does to one layer taken on its own.
+
+    Args:
+        policy: A `keras_mp.Policy`.
+        layer: A layer.
+        outputs: `id`s of the layers producing the model's outputs.
+        graph_node: whether `layer` is a node of a Functional/Sequential graph whose config
+            lists its layers (where a stock layer can be replaced by its keras_mp version).
+
+    Returns:
+        `(entry, swap)`: the keep-list entry pinning the layer (or None), and the name of the
+        keras_mp layer class replacing it (or None). A pin wins over a swap: a softmax
+        producing the model's output is pinned, so the probabilities come out in float32.
+    """
+    mixed = policy.has_master_weights
+    swap = None
+    for entry in policy.keep_fp32:
+        if not entry_matches(entry, layer, outputs):
+            continue
+        if entry == "normalization" and has_native_fp32_statistics(layer):
+            continue  # statistics are float32 already
+        if entry == "output":
+            if sublayers(layer):
+                continue  # a block, not a head
+            if mixed and emits_logits(layer):
+                continue  # the loss up-casts the logits
+        if entry == "softmax" and graph_node and type(layer) is keras.layers.Softmax:
+            swap = swap or "Softmax"
+            continue
+        if entry == "attention" and type(layer) is keras.layers.MultiHeadAttention:
+            if graph_node:
+                swap = swap or "MultiHeadAttention"
+            continue  # inside a block: its softmax sublayer is pinned by "softmax"
+        return entry, None
+    return None, swap
+
+
+def plan(model: keras.Model, policy, extra: Iterable = ()) -> Plan:
+    """Decides which layers of `model` run in float32 under `policy`.
+
+    Args:
+        model: A built Keras model.
+        policy: A `keras_mp.Policy`.
+        extra: Additional `(layer, reason)` pins (e.g. from calibration), placed with the
+            same rules as keep-list pins.
+
+    Returns:
+        A `Plan`.
+    """
+    result = Plan(policy)
+    if not policy.is_low_precision:
+        return result
+    layers, parents = layer_tree(model)
+    where = addresses(model)
+    outputs = frozenset(id(x) for x in output_layers(model))
+    nodes = graph_nodes(model)
+    source_low = model.compute_dtype != "float32"
+
+    wanted, swaps = [], {}  # (layer, reason); id -> keras_mp class name
+    for layer in layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        if swaps.get(id(parents.get(id(layer)))) == "MultiHeadAttention":
+            continue  # keras_mp's attention brings its own float32 softmax
+        entry, swap = layer_rule(policy, layer, outputs, id(layer) in nodes)
+        if swap:
+            swaps[id(layer)] = swap
+        if entry is not None:
+            reason = entry.__name__ if isinstance(entry, type) else repr(entry)
+            wanted.append((layer, f"keep_fp32 {reason}"))
+        elif source_low and layer.compute_dtype == "float32" and layer.quantization_mode is None:
+            wanted.append((layer, "float32 in the source model"))
+    wanted += list(extra)
+
+    def lift(layer):
+        """The outermost opaque block holding `layer` (itself if its parent is a model)."""
+        top = layer
+        parent = parents.get(id(top))
+        while parent is not None and not isinstance(parent, keras.Model):
+            top = parent
+            parent = parents.get(id(top))
+        return top
+
+    roots = {}
+    for layer, reason in wanted:
+        target, note = layer, ""
+        if not _is_softmax_layer(layer) and not isinstance(layer, keras.Model):
+            target = lift(layer)
+            if target is not layer:
+                note = f"lifted from {where[id(layer)]!r} (the block's own math must match it)"
+                result.notes.append(
+                    f"{where[id(layer)]!r} ({type(layer).__name__}, {reason}) sits inside "
+                    f"{where[id(target)]!r} ({type(target).__name__}), whose call combines "
+                    "its sublayers' outputs: the whole block runs in float32."
+                )
+        if id(target) not in roots:
+            pin = Pin(where[id(target)], type(target).__name__, reason, note)
+            roots[id(target)] = (target, pin)
+    if "output" in policy.keep_fp32:
+        for layer in layers:  # output blocks the "output" entry leaves alone
+            if id(layer) in outputs and sublayers(layer) and not isinstance(layer, keras.Model):
+                result.notes.append(
+                    f"'output': {where[id(layer)]!r} ({type(layer).__name__}) produces an "
+                    "output but is a block, not a head: not pinned."
+                )
+
+    def inside_another(layer):
+        parent = parents.get(id(layer))
+        while parent is not None:
+            if id(parent) in roots:
+                return True
+            parent = parents.get(id(parent))
+        return False
+
+    float32_ids = set()
+    for key, (layer, pin) in roots.items():
+        if inside_another(layer):
+            continue
+        result.pins.append(pin)
+        float32_ids.add(key)
+        float32_ids.update(id(s) for s in layer._flatten_layers(include_self=False))
+    result.float32 = {where[i] for i in float32_ids if i in where}
+    result.swaps = {  # a pinned block keeps its stock sublayers
+        where[i]: f"keras_mp.layers.{name}" for i, name in swaps.items() if i not in float32_ids
+    }
+    return result
