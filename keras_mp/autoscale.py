@@ -2,19 +2,19 @@
 
 Keras' `Model.compile` wraps the optimizer in its own `LossScaleOptimizer` when the model's
 policy is named exactly `"mixed_float16"`, and not at all for a `DTypePolicyMap` model
-(`"map_mixed_float16"`, which is what `kmp.convert` makes). Keras' scaler has no bounds:
-its scale can grow to inf (every later step skipped) or shrink to 0. `install()` (done by
-`import keras_mp`) wraps `Model.compile` so that, for a model computing in float16 with
-float32 variables under a keras_mp policy (`kmp.set_global_policy`, a converted model, a
-layer given a `kmp.Policy`) or under a policy map:
+(`"map_mixed_float16"`, which is what `kmp.convert` makes) or a loaded model whose layers
+carry their own float16 policies. Keras' scaler has no bounds: its scale can grow to inf
+(every later step skipped) or shrink to 0. `install()` (done by `import keras_mp`) wraps
+`Model.compile`: for a model computing in float16 with float32 variables,
 
-- an optimizer Keras would wrap, or would leave unscaled, is wrapped in
-  `kmp.LossScaleOptimizer` with its defaults;
+- under a keras_mp policy (`kmp.set_global_policy`, a converted model, a `kmp.Policy`),
+  the optimizer Keras wraps in its scaler gets `kmp.LossScaleOptimizer` instead;
+- where Keras leaves a float16 model unscaled, the optimizer gets `kmp.LossScaleOptimizer`;
 - a stock `keras.optimizers.LossScaleOptimizer` passed explicitly is kept, with a warning
   saying what it lacks.
 
-`compile(..., auto_scale_loss=False)` turns both off, as in Keras. Models under a plain
-Keras `"mixed_float16"` with no keras_mp policy in sight keep Keras' behaviour.
+`compile(..., auto_scale_loss=False)` turns all of it off, as in Keras. A model under a
+plain Keras `"mixed_float16"` with no keras_mp policy in sight keeps Keras' own wrapping.
 """
 
 from __future__ import annotations
@@ -30,26 +30,41 @@ from keras.src.utils.tracking import DotNotTrackScope
 __all__ = ["install", "stock_scaler_message", "wants_keras_mp_scaler"]
 
 
-def _dtypes(model) -> tuple:
-    policy = model.dtype_policy
-    return policy.compute_dtype, policy.variable_dtype
+def _runs_float16(model) -> bool:
+    """The model, or one of its layers, computes in float16 with float32 variables."""
+    for layer in model._flatten_layers(include_self=True):
+        if (layer.compute_dtype, layer.variable_dtype) == ("float16", "float32"):
+            return True
+    return False
+
+
+def _keras_mp_policy_in_sight(model) -> bool:
+    from keras_mp import policies
+
+    if isinstance(model.dtype_policy, (keras.dtype_policies.DTypePolicyMap, policies.Policy)):
+        return True
+    remembered = policies._global["policy"]
+    return remembered is not None and keras.config.dtype_policy().name == remembered.base.name
 
 
 def wants_keras_mp_scaler(model: keras.Model) -> bool:
     """Whether compiling `model` should give it `kmp.LossScaleOptimizer`.
 
-    True for a model computing in float16 with float32 variables whose policy is a
-    `DTypePolicyMap` or a `kmp.Policy`, or while `kmp.set_global_policy` is in effect.
-    """
-    if _dtypes(model) != ("float16", "float32"):
-        return False
-    from keras_mp import policies
+    True when the model computes in float16 with float32 variables (the model's policy or
+    any layer's) and either a keras_mp policy is in sight (a `DTypePolicyMap` or
+    `kmp.Policy` on the model, or `kmp.set_global_policy`) or Keras would not wrap it
+    (its policy is not named `"mixed_float16"`: a policy map, or a model whose layers
+    carry their own policies, as a loaded converted model does).
 
-    policy = model.dtype_policy
-    if isinstance(policy, (keras.dtype_policies.DTypePolicyMap, policies.Policy)):
-        return True
-    remembered = policies._global["policy"]
-    return remembered is not None and keras.config.dtype_policy().name == remembered.base.name
+    Args:
+        model: A Keras model.
+
+    Returns:
+        A bool.
+    """
+    if not _runs_float16(model):
+        return False
+    return _keras_mp_policy_in_sight(model) or model.dtype_policy.name != "mixed_float16"
 
 
 def stock_scaler_message(model: keras.Model) -> str | None:
@@ -82,9 +97,11 @@ def _after_compile(model, arguments: dict) -> None:
         if isinstance(passed, keras.optimizers.LossScaleOptimizer):  # the user's choice
             warnings.warn(stock_scaler_message(model), UserWarning, stacklevel=3)
             return
-        inner = opt.inner_optimizer  # Keras' automatic wrapping
+        if not _keras_mp_policy_in_sight(model):
+            return  # Keras' own wrapping of a plain Keras model
+        inner = opt.inner_optimizer
     else:
-        inner = opt  # a policy map: Keras did not wrap at all
+        inner = opt  # Keras did not wrap at all
     with DotNotTrackScope():
         model.optimizer = LossScaleOptimizer(inner)
 

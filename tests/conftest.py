@@ -22,9 +22,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _reset_keras_state():
     """Every test starts from float32, a fixed seed and a clean session."""
+    from keras_mp import policies
+
     keras.config.set_dtype_policy("float32")
+    policies._global["policy"] = None  # no kmp.set_global_policy in effect
     keras.utils.set_random_seed(0)
     np.random.seed(0)
     yield
     keras.config.set_dtype_policy("float32")
+    policies._global["policy"] = None
     keras.backend.clear_session(free_memory=False)

@@ -1,0 +1,97 @@
+"""Compiling under a keras_mp policy gives keras_mp's loss scaler (keras_mp.autoscale)."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp as kmp
+
+# JAX on CPU has no float16 dot: these tests compile and inspect, and train on TF only.
+
+
+def _model(name="m"):
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="logits")(x), name=name)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", keras.optimizers.AdamW(1e-3)])
+def test_global_keras_mp_policy_compile_gets_keras_mp_scaler(optimizer):
+    kmp.set_global_policy("mixed_float16")
+    model = _model()
+    model.compile(optimizer=optimizer, loss="mse")
+    opt = model.optimizer
+    assert type(opt) is kmp.LossScaleOptimizer
+    assert not isinstance(opt.inner_optimizer, keras.optimizers.LossScaleOptimizer)
+    if not isinstance(optimizer, str):
+        assert opt.inner_optimizer is optimizer
+    assert opt.initial_scale == 2.0**16 and opt.max_scale == 2.0**24  # keras_mp's bounds
+
+
+def test_converted_model_compile_gets_keras_mp_scaler_and_keras_would_not_scale_at_all():
+    converted = kmp.convert(_model(), "mixed_float16")
+    assert converted.dtype_policy.name == "map_mixed_float16"  # Keras' auto-wrap skips this
+    converted.compile(optimizer="adam", loss="mse")
+    assert type(converted.optimizer) is kmp.LossScaleOptimizer
+    # An explicit keras_mp scaler is kept as given.
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=8.0)
+    converted.compile(optimizer=opt, loss="mse")
+    assert converted.optimizer is opt
+
+
+def test_loaded_converted_model_is_scaled(tmp_path):
+    """A loaded Functional model keeps per-layer float16 policies, its own policy is
+    float32: Keras would compile it without any loss scaling."""
+    path = str(tmp_path / "m.keras")
+    kmp.convert(_model(), "mixed_float16").save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_layer("hidden").compute_dtype == "float16"
+    loaded.compile(optimizer="adam", loss="mse")
+    assert type(loaded.optimizer) is kmp.LossScaleOptimizer
+
+
+def test_explicit_stock_scaler_is_kept_with_a_warning():
+    converted = kmp.convert(_model(), "mixed_float16")
+    stock = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.warns(UserWarning, match="Keras' own LossScaleOptimizer.*no bounds"):
+        converted.compile(optimizer=stock, loss="mse")
+    assert converted.optimizer is stock
+    with pytest.warns(UserWarning, match="Keras' own LossScaleOptimizer"):
+        kmp.convert(converted, "mixed_float16")  # convert says so too
+
+
+def test_plain_keras_policy_auto_scale_off_and_bfloat16_are_left_alone():
+    keras.config.set_dtype_policy("mixed_float16")  # no keras_mp policy in sight
+    plain = _model()
+    plain.compile(optimizer="adam", loss="mse")
+    assert type(plain.optimizer) is keras.optimizers.LossScaleOptimizer  # Keras' own
+    converted = kmp.convert(_model("n"), "mixed_float16")
+    converted.compile(optimizer="adam", loss="mse", auto_scale_loss=False)
+    assert type(converted.optimizer) is keras.optimizers.Adam
+    keras.config.set_dtype_policy("float32")
+    bf16 = kmp.convert(_model("o"), "mixed_bfloat16")
+    bf16.compile(optimizer="adam", loss="mse")
+    assert type(bf16.optimizer) is keras.optimizers.Adam  # bfloat16 needs no scaling
+
+
+@pytest.mark.tf_only
+def test_keras_way_trains_with_the_bounded_scaler_and_skips_a_nan_batch():
+    kmp.set_global_policy("mixed_float16")
+    model = _model()
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 3)).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    before = [keras.ops.convert_to_numpy(w.value).copy() for w in model.weights]
+    x_bad = x.copy()
+    x_bad[0, 0] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x_bad[:16], y[:16], batch_size=16, epochs=1, verbose=0)
+    opt = model.optimizer
+    assert int(keras.ops.convert_to_numpy(opt.skipped_steps.value)) == 1
+    assert float(keras.ops.convert_to_numpy(opt.loss_scale.value)) == 2.0**15
+    for a, w in zip(before, model.weights, strict=True):  # the NaN step changed nothing
+        np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(w.value))
