@@ -1,24 +1,31 @@
-"""Running a model layer by layer, and its gradients, on one batch (backend-neutral).
+"""Running a model on one batch while watching every layer, and its gradients (any backend).
 
-Shared by `keras_mp.audit` and `keras_mp.callbacks.NonFiniteGuard`. Gradients need the
-backend's autodiff (TensorFlow's tape, `jax.grad`, torch autograd), imported lazily, as
-Keras' own trainers do; everything else is `keras.ops`.
+`trace(model, x)` calls the model once, eagerly, with every layer's `call` (nested models
+and sublayers of blocks included) wrapped to record the largest |value| of its floating
+inputs and outputs, their dtypes and shapes: the audit, calibration and `NonFiniteGuard`
+read it. Keras has no forward hooks; the wrappers are instance attributes removed when the
+call returns. Gradients need the backend's autodiff (TensorFlow's tape, `jax.grad`, torch
+autograd), imported lazily, as Keras' own trainers do; everything else is `keras.ops`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import keras
 import numpy as np
 
+from keras_mp import keep_list
+
 __all__ = [
+    "LayerTrace",
     "first_nonfinite_layer",
     "gradients",
-    "layer_outputs",
+    "matmul_flops",
     "max_abs",
-    "output_layer_ids",
     "to_numpy",
+    "trace",
     "unpack",
 ]
 
@@ -50,82 +57,173 @@ def max_abs(arrays) -> float:
     return best
 
 
-def output_layer_ids(model: keras.Model, layers) -> set:
-    """`id`s of the layers among `layers` whose output is a model output."""
-    if isinstance(model, keras.Sequential):
-        return {id(layers[-1])} if layers else set()
-    outs = {id(t) for t in keras.tree.flatten(getattr(model, "outputs", None) or [])}
-    ids = set()
-    for layer in layers:
-        try:
-            tensors = keras.tree.flatten(layer.output)
-        except (AttributeError, ValueError):
-            continue
-        if any(id(t) in outs for t in tensors):
-            ids.add(id(layer))
-    return ids
+def _floats(structure) -> list:
+    out = []
+    for t in keras.tree.flatten(structure):
+        dtype = getattr(t, "dtype", None)
+        if dtype is not None and keras.backend.is_float_dtype(
+            keras.backend.standardize_dtype(dtype)
+        ):
+            out.append(t)
+    return out
 
 
-def layer_outputs(model: keras.Model, x) -> tuple[list, str | None]:
-    """Runs `model` on `x` and returns `[(layer, [output arrays]), ...]` in execution order.
+def _peak(tensors) -> float | None:
+    try:
+        return max_abs(to_numpy(t) for t in tensors)
+    except Exception:  # noqa: BLE001 - a tracer inside a layer's own jit/remat: not recorded
+        return None
 
-    Sequential models are run layer by layer; Functional models through a model over
-    every layer's output. For subclassed models only the model's own output is returned.
+
+@dataclasses.dataclass
+class LayerTrace:
+    """What one layer saw during `trace` (all its calls together).
+
+    Attributes:
+        layer: the layer.
+        address: its path (or parent path and name, see `keep_list.addresses`).
+        depth: how many layers contain it (0: a layer of the model itself).
+        calls: how many times it was called.
+        input_max: largest |value| of its floating inputs (inf if non-finite).
+        output_max: the same for its outputs.
+        output_dtype: dtype of its first floating output.
+        input_shapes / output_shapes: shapes of the first call's floating tensors.
+        end: completion order of its first call (inner layers finish before their block).
+    """
+
+    layer: keras.layers.Layer
+    address: str
+    depth: int
+    calls: int = 0
+    input_max: float = 0.0
+    output_max: float = 0.0
+    output_dtype: str | None = None
+    input_shapes: list = dataclasses.field(default_factory=list)
+    output_shapes: list = dataclasses.field(default_factory=list)
+    end: int = -1
+
+
+def trace(model: keras.Model, x, training: bool = False) -> list:
+    """Calls `model` on `x` once and records what every layer saw.
+
+    Args:
+        model: A built Keras model (any kind: Functional, Sequential, subclassed, nested).
+        x: The model inputs (one batch).
+        training: The `training` flag of the call.
 
     Returns:
-        The list and a note (None, or why per-layer outputs were not available).
+        `LayerTrace`s of the layers that were called, in completion order of their first
+        call (a block after its sublayers).
     """
-    if isinstance(model, keras.Sequential):
-        out, h = [], x
-        for layer in model.layers:
-            h = layer(h, training=False)
-            out.append((layer, [to_numpy(t) for t in keras.tree.flatten(h)]))
-        return out, None
-    layers = [la for la in model.layers if not isinstance(la, keras.layers.InputLayer)]
-    inputs = getattr(model, "inputs", None) if hasattr(model, "_operations") else None
-    if inputs:
-        try:
-            probe = keras.Model(
-                inputs[0] if len(inputs) == 1 else model.input, [la.output for la in layers]
-            )
-        except (ValueError, AttributeError) as e:
-            note = f"per-layer outputs unavailable ({e}); only the model output is audited"
+    layers, parents = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    records: dict[int, LayerTrace] = {}
+    finished = [0]
+
+    def depth(layer) -> int:
+        d, parent = 0, parents.get(id(layer))
+        while parent is not None and parent is not model:
+            d, parent = d + 1, parents.get(id(parent))
+        return d
+
+    def wrap(layer, call):
+        def recorded(*args, **kwargs):
+            outputs = call(*args, **kwargs)
+            ins, outs = _floats((args, kwargs)), _floats(outputs)
+            peaks = _peak(ins), _peak(outs)
+            if None in peaks:
+                return outputs  # symbolic (Keras building the layer, a jit inside): no values
+            rec = records.get(id(layer))
+            if rec is None:
+                rec = records[id(layer)] = LayerTrace(layer, where[id(layer)], depth(layer))
+            rec.input_max = max(rec.input_max, peaks[0])
+            rec.output_max = max(rec.output_max, peaks[1])
+            if rec.calls == 0:
+                rec.input_shapes = [tuple(t.shape) for t in ins]
+                rec.output_shapes = [tuple(t.shape) for t in outs]
+                rec.output_dtype = keras.backend.standardize_dtype(outs[0].dtype) if outs else None
+                rec.end = finished[0]
+                finished[0] += 1
+            rec.calls += 1
+            return outputs
+
+        return recorded
+
+    wrapped = []
+    try:
+        for layer in layers:
+            if isinstance(layer, keras.layers.InputLayer) or "call" in vars(layer):
+                continue
+            object.__setattr__(layer, "call", wrap(layer, layer.call))
+            wrapped.append(layer)
+        model(x, training=training)
+    finally:
+        for layer in wrapped:
+            object.__delattr__(layer, "call")
+    return sorted(records.values(), key=lambda r: r.end)
+
+
+def matmul_flops(record: LayerTrace) -> float:
+    """Floating-point operations of a traced layer's own matmul or convolution (one call).
+
+    Dense, EinsumDense and convolution layers: 2 x output elements x the kernel elements
+    each output element uses. Attention layers with `num_heads` and `key_dim` add their
+    score and value matmuls. Other layers: 0 (their sublayers are counted themselves).
+    """
+    layer = record.layer
+    kernel = getattr(layer, "kernel", None) if not keep_list.sublayers(layer) else None
+    if kernel is not None and record.output_shapes and hasattr(kernel, "shape"):
+        out = record.output_shapes[0]
+        if None in out:
+            return 0.0
+        shape = tuple(int(d) for d in kernel.shape)
+        size = int(np.prod(shape))
+        if isinstance(layer, keras.layers.EinsumDense):
+            spec, out_spec = layer.equation.split("->")
+            kernel_spec = spec.split(",")[1]
+            produced = int(np.prod([d for c, d in zip(kernel_spec, shape, strict=False)
+                                    if c in out_spec] or [1]))
+        elif isinstance(layer, keras.layers.DepthwiseConv2D):
+            produced = shape[-2] * shape[-1]
         else:
-            results = probe(x, training=False)
-            return [
-                (la, [to_numpy(t) for t in keras.tree.flatten(r)])
-                for la, r in zip(layers, results, strict=True)
-            ], None
-    else:
-        note = "subclassed model: only the model output is audited (use a Functional model)"
-    y = model(x, training=False)
-    return [(model, [to_numpy(t) for t in keras.tree.flatten(y)])], note
+            produced = shape[-1]
+        return 2.0 * float(np.prod(out)) * size / max(produced, 1)
+    heads, key_dim = getattr(layer, "num_heads", None), getattr(layer, "key_dim", None)
+    if heads and key_dim and len(record.input_shapes) >= 1:
+        q = record.input_shapes[0]
+        kv = record.input_shapes[1] if len(record.input_shapes) > 1 else q
+        if None in q or None in kv or len(q) < 3:
+            return 0.0
+        value_dim = getattr(layer, "value_dim", None) or key_dim
+        return 2.0 * q[0] * heads * q[1] * kv[1] * (key_dim + value_dim)
+    return 0.0
 
 
 def first_nonfinite_layer(model: keras.Model, data) -> tuple[str | None, str]:
-    """Names the first layer whose output is non-finite on `data` (x or (x, y)).
+    """Names the innermost, first layer whose output is non-finite on `data` (x or (x, y)).
 
     Returns:
-        `(layer_name or None, sentence describing it)`.
+        `(layer address or None, sentence describing it)`.
     """
     x, _, _ = unpack(data)
-    outputs, note = layer_outputs(model, x)
+    records = trace(model, x)
     peak = (None, 0.0)
-    for layer, arrays in outputs:
-        m = max_abs(arrays)
-        if math.isinf(m):
-            return layer.name, (
-                f"On diagnose_data the first layer with a non-finite output is {layer.name!r} "
+    for rec in records:
+        layer = rec.layer
+        if rec.output_max is not None and math.isinf(rec.output_max):
+            return rec.address, (
+                f"On diagnose_data the first layer with a non-finite output is {rec.address!r} "
                 f"({type(layer).__name__}, compute dtype {layer.compute_dtype})"
                 + (" — its float16 output exceeded 65504" if layer.compute_dtype == "float16"
-                   else "") + "."
+                   and rec.input_max is not None and math.isfinite(rec.input_max) else "")
+                + "."
             )
-        if m >= peak[1]:
-            peak = (layer.name, m)
+        if rec.output_max is not None and rec.output_max >= peak[1]:
+            peak = (rec.address, rec.output_max)
     return None, (
         f"On diagnose_data every layer output is finite (largest |activation| {peak[1]:.3g} "
         f"at {peak[0]!r}); the non-finite values come from the loss or the backward pass, "
-        "or from another batch." + (f" ({note})" if note else "")
+        "or from another batch."
     )
 
 
@@ -166,5 +264,3 @@ def gradients(model, x, y, loss_fn, scale: float) -> list[np.ndarray]:
         np.zeros(v.shape, "float32") if g is None else to_numpy(g).astype("float32") / scale
         for v, g in zip(variables, grads, strict=True)
     ]
-
-

@@ -12,6 +12,7 @@ import csv
 import importlib.util
 import logging
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -74,6 +75,10 @@ class Telemetry:
         self.reader = StateReader(model)
         # Stock Keras has no skip counter: skips are then derived from `iterations`.
         self.has_counter = isinstance(opt, LossScaleOptimizer)
+        if not self.has_counter:
+            from keras_mp.autoscale import stock_scaler_message
+
+            warnings.warn(f"{who}: {stock_scaler_message(model)}", UserWarning, stacklevel=3)
         self.min_scale = float(opt.min_scale) if self.has_counter else 1.0
 
     def scale(self) -> float:

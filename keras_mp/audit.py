@@ -19,7 +19,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_mp._probe import gradients, layer_outputs, max_abs, output_layer_ids, to_numpy, unpack
+from keras_mp import keep_list
+from keras_mp._probe import gradients, to_numpy, trace, unpack
 from keras_mp.keep_list import emits_logits
 
 __all__ = ["AuditReport", "LayerAudit", "VariableAudit", "audit"]
@@ -71,8 +72,11 @@ class LayerAudit:
         name / class_name / compute_dtype / variable_dtype: the layer's identity and dtypes.
         fp32_reason: why the layer should compute in float32 (None: it need not).
         runs_low: it should compute in float32 but computes in float16/bfloat16.
+        path / depth: where the layer sits (its path; 0 for a layer of the model itself,
+            1 for a sublayer of one, ...).
         max_abs_activation: the largest |output| on the batch (inf if non-finite; None if
-            the per-layer outputs could not be obtained).
+            it could not be read).
+        max_abs_input: the same for its floating inputs (e.g. a residual stream).
         overflow_risk: the output exceeds 65504 and the layer runs (or, in a float32
             model, would run) in float16.
         matmul_dims: the matmul/conv dimensions that tensor cores tile.
@@ -84,10 +88,13 @@ class LayerAudit:
     class_name: str
     compute_dtype: str
     variable_dtype: str
+    path: str = ""
+    depth: int = 0
     fp32_reason: str | None = None
     runs_low: bool = False
     max_abs_activation: float | None = None
     overflow_risk: bool = False
+    max_abs_input: float | None = None
     matmul_dims: tuple = ()
     misaligned_dims: tuple = ()
     variables: list = dataclasses.field(default_factory=list)
@@ -109,6 +116,7 @@ class AuditReport:
         loss_scale_source: where it came from.
         layers: the `LayerAudit`s, in execution order.
         notes: what the audit could not do, and why.
+        converted: the model was made by `kmp.convert` (its layers share a policy map).
         verdict: one line.
         advice: concrete actions.
     """
@@ -118,10 +126,15 @@ class AuditReport:
     loss_scale_source: str
     layers: list
     notes: list
+    converted: bool = False
     verdict: str = ""
     advice: list = dataclasses.field(default_factory=list)
 
     def __getitem__(self, name: str) -> LayerAudit:
+        """The row of the layer with this path, or else the first with this name."""
+        for layer in self.layers:
+            if layer.path == name:
+                return layer
         for layer in self.layers:
             if layer.name == name:
                 return layer
@@ -144,7 +157,7 @@ class AuditReport:
         rows = []
         for la in self.layers:
             rows.append((
-                la.name,
+                la.path or la.name,
                 la.class_name,
                 f"{la.compute_dtype}/{la.variable_dtype}",
                 ("LOW! " if la.runs_low else "") + (la.fp32_reason or "") or "-",
@@ -204,7 +217,9 @@ def _fp32_reason(layer, is_output: bool, keep_fp32) -> str | None:
         return "normalization"
     if names & set(_ATTENTION):
         return "attention softmax"
-    if is_output and not (emits_logits(layer) and layer.variable_dtype == "float32"):
+    if is_output and not keep_list.sublayers(layer) and not (
+        emits_logits(layer) and layer.variable_dtype == "float32"
+    ):
         # A logits projection with FP32 master weights may run low: the loss up-casts.
         return "model output"
     for entry in keep_fp32 or ():
@@ -219,9 +234,16 @@ def _fp32_reason(layer, is_output: bool, keep_fp32) -> str | None:
 
 
 def _handles_own_precision(layer) -> bool:
-    """keras_mp layers and stock layers that upcast internally run their math in FP32."""
-    return type(layer).__module__.startswith("keras_mp") or bool(
+    """keras_mp layers, stock layers that upcast internally, and attention whose softmax
+    sublayer runs in float32 (pinned by `convert`, or made so by keras_hub) do their
+    sensitive math in FP32."""
+    if type(layer).__module__.startswith("keras_mp") or (
         _class_names(layer) & set(_UPCASTS_INTERNALLY)
+    ):
+        return True
+    softmax = getattr(layer, "_softmax", None) or getattr(layer, "softmax", None)
+    return isinstance(softmax, keras.layers.Layer) and (
+        softmax.compute_dtype == "float32" or type(softmax).__module__.startswith("keras_mp")
     )
 
 
@@ -257,6 +279,12 @@ def _loss_scale(model, loss_scale) -> tuple[float, str]:
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         return float(opt.initial_scale), "the compiled optimizer's initial"
     return 2.0**16, "default 2**16; no LossScaleOptimizer compiled"
+
+
+def _stock_scaler_message(model) -> str | None:
+    from keras_mp.autoscale import stock_scaler_message
+
+    return stock_scaler_message(model)
 
 
 def _resolve_loss(model, loss):
@@ -329,15 +357,12 @@ def audit(
     x, y, _ = unpack(data)
     scale, scale_source = _loss_scale(model, loss_scale)
     notes: list[str] = []
-    outputs, note = layer_outputs(model, x)
-    if note:
-        notes.append(note)
-    all_layers = [la for la in model.layers if not isinstance(la, keras.layers.InputLayer)]
-    if note:  # no per-layer outputs: the model's own output gets the last row
-        all_layers.append(model)
-    acts = {id(la): max_abs(arrays) for la, arrays in outputs}
-    output_ids = output_layer_ids(model, all_layers)
-    model_fp32 = all(la.compute_dtype == "float32" for la in all_layers)
+    records = [r for r in trace(model, x) if not isinstance(r.layer, keras.layers.InputLayer)]
+    output_ids = {id(layer) for layer in keep_list.output_layers(model)}
+    model_fp32 = all(r.layer.compute_dtype == "float32" for r in records)
+    message = _stock_scaler_message(model)
+    if message:
+        notes.append(message)
 
     grads = {}
     loss_fn, loss_desc = _resolve_loss(model, loss)
@@ -351,19 +376,24 @@ def audit(
         notes.append(f"gradients of {loss_desc} on {len(np.asarray(y))} samples")
 
     rows = []
-    for layer in all_layers:
+    for rec in records:
+        layer = rec.layer
         reason = _fp32_reason(layer, id(layer) in output_ids, keep_fp32)
         low = layer.compute_dtype in _LOW
-        m = acts.get(id(layer))
+        m = rec.output_max
         dims = _matmul_dims(layer)
+        own = list(layer._trainable_variables)
         rows.append(LayerAudit(
             name=layer.name,
             class_name=type(layer).__name__,
             compute_dtype=layer.compute_dtype,
             variable_dtype=layer.variable_dtype,
+            path=rec.address,
+            depth=rec.depth,
             fp32_reason=reason,
             runs_low=bool(reason) and low and not _handles_own_precision(layer),
             max_abs_activation=m,
+            max_abs_input=rec.input_max,
             overflow_risk=m is not None and m > FP16_MAX and (
                 layer.compute_dtype == "float16" or (model_fp32 and not low)
             ),
@@ -374,10 +404,13 @@ def audit(
                     path=v.path, shape=tuple(v.shape), dtype=v.dtype,
                     **(_gradient_facts(grads[id(v)], scale) if id(v) in grads else {}),
                 )
-                for v in layer.trainable_variables
+                for v in own
             ],
         ))
-    report = AuditReport(model.name, scale, scale_source, rows, notes)
+    converted = hasattr(model, "precision_plan") or isinstance(
+        model.dtype_policy, keras.dtype_policies.DTypePolicyMap
+    )
+    report = AuditReport(model.name, scale, scale_source, rows, notes, converted)
     _conclude(report, model_fp32, underflow_threshold)
     return report
 
@@ -410,14 +443,21 @@ def _conclude(report: AuditReport, model_fp32: bool, threshold: float) -> None:
             "the inputs/weights feeding it."
         )
     for la in low:
-        fix = {
-            "Softmax": "use kmp.layers.Softmax (softmax in float32)",
-            "MultiHeadAttention": "use kmp.layers.MultiHeadAttention (softmax in float32)",
-        }.get(la.class_name, "wrap it in kmp.layers.Float32")
+        if la.depth > 0 or report.converted:
+            fix = (
+                f"add {la.path!r} to the keep-list and convert the float32 model again, "
+                f"kmp.convert(model, kmp.Policy(policy, keep_fp32=kmp.DEFAULT_KEEP_FP32 + "
+                f"({la.path!r},)))"
+            )
+        else:
+            fix = {
+                "Softmax": "use kmp.layers.Softmax (softmax in float32)",
+                "MultiHeadAttention": "use kmp.layers.MultiHeadAttention (softmax in float32)",
+            }.get(la.class_name, "wrap it in kmp.layers.Float32")
+            fix += "; kmp.convert(model, policy) pins the default keep-list for you"
         advice.append(
-            f"Layer {la.name!r} ({la.class_name}, {la.fp32_reason}) computes in "
-            f"{la.compute_dtype}: {fix}; kmp.convert(model, policy) pins the default "
-            "keep-list for you."
+            f"Layer {la.path or la.name!r} ({la.class_name}, {la.fp32_reason}) computes in "
+            f"{la.compute_dtype}: {fix}."
         )
     suggested = _suggest_scale(report.layers)
     if under:

@@ -132,13 +132,14 @@ def test_audit_function_and_errors():
     sub = Sub()
     x = np.full((2, 8), 0.5, "float32")
     report = kmp.audit(sub, (x, np.zeros((2, 8), "float32")), loss="mse", loss_scale=8.0)
-    assert "subclassed model" in report.notes[0]
     assert "gradients of loss 'mean_squared_error' on 2 samples" in report.notes
-    # Per-layer outputs need a Functional model: the model's own output gets the last row.
-    assert [la.name for la in report.layers] == ["dense", sub.name]
-    assert report[sub.name].max_abs_activation == pytest.approx(
-        np.abs(x @ sub.d.kernel.numpy() + sub.d.bias.numpy()).max(), rel=1e-6
+    # Subclassed models are probed per layer too.
+    assert [la.name for la in report.layers] == ["dense"]
+    kernel, bias = (keras.ops.convert_to_numpy(v) for v in (sub.d.kernel, sub.d.bias))
+    assert report["dense"].max_abs_activation == pytest.approx(
+        np.abs(x @ kernel + bias).max(), rel=1e-6
     )
+    assert report["dense"].max_abs_input == 0.5
     assert report["dense"].variables[1].grad_underflow_at_scale == 0.0  # bias gradient
     assert report.loss_scale == 8.0 and report.verdict.startswith("OK")
     with pytest.raises(ValueError, match="invalid `keep_fp32` entry 3"):

@@ -95,3 +95,18 @@ def test_keras_way_trains_with_the_bounded_scaler_and_skips_a_nan_batch():
     assert float(keras.ops.convert_to_numpy(opt.loss_scale.value)) == 2.0**15
     for a, w in zip(before, model.weights, strict=True):  # the NaN step changed nothing
         np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(w.value))
+
+
+@pytest.mark.tf_only
+def test_audit_and_callbacks_say_when_the_stock_scaler_is_used():
+    converted = kmp.convert(_model(), "mixed_float16")
+    with pytest.warns(UserWarning):
+        converted.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse"
+        )
+    x = np.ones((8, 6), "float32")
+    report = kmp.audit(converted, x)
+    assert any("Keras' own LossScaleOptimizer" in note for note in report.notes)
+    with pytest.warns(UserWarning, match="LossScaleMonitor: Model .* Keras' own"):
+        converted.fit(x, np.ones((8, 3), "float32"), epochs=1, verbose=0,
+                      callbacks=[kmp.callbacks.LossScaleMonitor()])
