@@ -12,6 +12,8 @@ import dataclasses
 import os
 from collections.abc import Callable
 
+from keras_mp.cli import diff as _diff
+
 __all__ = ["COMMANDS", "PROG", "CLIError", "Command", "build_parser", "command"]
 
 PROG = "keras-mp"
@@ -210,6 +212,15 @@ COMMANDS = (
         help="what this machine accelerates and which policy to use",
         description="Print kmp.hardware.report(): devices, supported low-precision formats "
         "and the recommended policy.",
+    ),
+    Command(
+        name="diff",
+        module="keras_mp.cli.diff",
+        help=_diff.HELP,
+        description=_diff.DESCRIPTION,
+        arguments=_diff.add_arguments,
+        check=_diff.check,
+        backend=False,
     ),
 )
 
