@@ -196,6 +196,8 @@ def _diverged(A, B, k, st, variables, same, dist, bound, total, total_bound, eve
         causes.append(f"a non-finite loss at step {step} in {which} only (a bad batch in one run)")
     if recipe:
         causes.append("different training settings: " + "; ".join(recipe))
+        if event and event[0] == "loss":  # settings act on updates: the one before differed
+            step = max(step - 1, lo)
     if scale_split:
         causes.append(
             f"the loss-scale path split: scale {A.records[k].get('scale')} in A, "
