@@ -78,6 +78,14 @@ __all__ = [
 ]
 
 
+def _as_state(state):
+    """`(trainable, non_trainable, optimizer)` values -> the dict the JAX trainer keeps."""
+    if state is None or isinstance(state, dict):
+        return state
+    keys = ("trainable_variables", "non_trainable_variables", "optimizer_variables")
+    return dict(zip(keys, state))
+
+
 def _loss_scale_optimizer(opt):
     return opt if isinstance(opt, keras.optimizers.LossScaleOptimizer) else None
 
@@ -162,6 +170,7 @@ class Recorder:
         Returns:
             The record taken at this step, or None.
         """
+        state = _as_state(state)
         if self.meta is None or not self.records:
             self.begin(state)
         first = self.steps + 1
@@ -174,6 +183,7 @@ class Recorder:
 
     def record(self, state=None) -> dict:
         """Takes a record now (if the current step has none yet) and returns it."""
+        state = _as_state(state)
         if self.meta is None or not self.records:
             self.begin(state)
         if self.records[-1]["step"] == self.steps:

@@ -222,6 +222,48 @@ def test_recorder_in_a_custom_loop(tmp_path):
     assert plain.records[-1]["scale"] is None and plain.records[-1]["skipped"] is None
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="a stateless JAX loop")
+def test_recorder_with_a_stateless_jax_loop():
+    import jax
+
+    def run():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        opt = kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+        opt.build(model.trainable_variables)
+        rec = fingerprint.Recorder(model, optimizer=opt, every_n_steps=3)
+        state = tuple([v.value for v in vs] for vs in (
+            model.trainable_variables, model.non_trainable_variables, opt.variables))
+
+        @jax.jit
+        def step(state, x, y):
+            tv, ntv, ov = state
+
+            def loss_fn(tv):
+                out, ntv2 = model.stateless_call(tv, ntv, x, training=True)
+                return keras.ops.mean((out - y) ** 2), ntv2
+
+            (loss, ntv2), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+            tv2, ov2 = opt.stateless_apply(ov, grads, tv)
+            return (tv2, ntv2, ov2), loss
+
+        rng = np.random.default_rng(0)
+        for i in range(9):
+            x, y = rng.normal(size=(16, 8)), rng.normal(size=(16, 1))
+            if i == 4:
+                x[0, 0] = np.nan
+            state, loss = step(state, x, y)
+            rec.step(loss, state=state)  # the values after the step; the variables are stale
+        return rec
+
+    a, b = run(), run()
+    assert [(r["step"], r["skipped_steps"]) for r in a.records] == [(0, []), (3, []), (6, [5]),
+                                                                      (9, [])]
+    assert a.records[2]["scale"] == 2.0**15
+    assert a.records[3]["vars"] != a.records[0]["vars"]
+    assert fingerprint.diff(a, b).verdict == "identical"
+
+
 def test_steps_without_a_record_read_nothing_from_the_device():
     model = worker.build(keras, kmp)[0]
     opt = kmp.LossScaleOptimizer(keras.optimizers.Adam())
