@@ -94,7 +94,7 @@ class DiffReport:
             lines = [f"rounding: same trajectory up to rounding over {self.steps_compared} "
                      "records"]
             if self.variable is not None:
-                lines.append(f"  closest to the bound: {weights}; closest variable {own}")
+                lines.append(f"  closest to the bound: {weights}; nearest its own bound: {own}")
         else:
             lines = [f"diverged at step {self.step}"
                      + (f", first in variable {self.variable!r}" if self.variable else "")]

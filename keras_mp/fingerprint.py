@@ -26,7 +26,7 @@ agree up to rounding at step `k` when their distance (all variables as one vecto
 
 with `C = 8` (`ROUNDING_FACTOR`). For records every step and steady steps of size `U`,
 that is `C * sqrt(u_c) * U * sqrt(k)`. Measured on this project's runs (TensorFlow
-XLA on/off in float16, oneDNN on/off in bfloat16, JAX jit on/off): at most 0.32x the
+XLA on/off in float16, oneDNN on/off in bfloat16, JAX jit on/off): at most 0.35x the
 bound over 12-40 steps. A different learning rate: 2.8x at step 1, growing. The
 difference that a different batch makes to the weights (~0.35x) is within what rounding
 can do, so the loss of every step is compared too: a batch changes it by about the
