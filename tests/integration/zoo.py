@@ -1688,6 +1688,12 @@ class ZooSubclassedMLP(keras.Model):
         self.norm = keras.layers.LayerNormalization(name="norm")
         self.logits = keras.layers.Dense(num_classes, name="logits")
 
+    def build(self, input_shape: tuple) -> None:
+        self.hidden.build(input_shape)
+        hidden_shape = (*input_shape[:-1], self.units)
+        self.norm.build(hidden_shape)
+        self.logits.build(hidden_shape)
+
     def call(self, inputs: Any) -> Any:
         return self.logits(self.norm(self.hidden(inputs)))
 
@@ -1720,6 +1726,12 @@ class ZooOpaqueModel(keras.Model):
         self.body = keras.layers.Dense(settings.units, activation="gelu", name="body")
         self.norm = keras.layers.BatchNormalization(name="norm")
         self.head = head
+
+    def build(self, input_shape: tuple) -> None:
+        self.body.build(input_shape)
+        hidden_shape = (*input_shape[:-1], self.settings.units)
+        self.norm.build(hidden_shape)
+        self.head.build(hidden_shape)
 
     def call(self, inputs: Any, training: bool = False) -> Any:
         hidden = self.norm(self.body(inputs), training=training)
