@@ -85,6 +85,8 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     for layer in layers:
         if isinstance(layer, keras.layers.InputLayer) or layer.quantization_mode is not None:
             continue
+        if keep_list.serializes_its_layers(layer) and where.get(id(layer)) not in the_plan.float32:
+            continue  # a nested Functional/Sequential container: its layers decide
         want = float32 if where.get(id(layer)) in the_plan.float32 else base
         if not layer.path or saved_by_a_graph(layer):
             layer._dtype_policy = want

@@ -15,10 +15,11 @@ keras_mp versions. It holds three rules that make pins safe on real architecture
    block (the child of a model) and the plan says so. Softmax layers are the exception:
    attention code consumes probabilities through `keras.ops`, which promotes, or through a
    `Dropout` layer, which casts back.
-3. **`"output"` pins a head, never a body.** It matches the layer(s) producing the model's
-   outputs only when they are leaf layers (a logits projection, a softmax); the last block
-   of a backbone is not a head. A linear logits projection keeps its low-precision matmul
-   under the mixed policies (FP32 accumulation; the loss takes the log-softmax in float32).
+3. **`"output"` pins a head, never a body.** It pins the leaf layer(s) producing the model's
+   outputs when they squash (softmax, sigmoid, tanh); the last block of a backbone, or its
+   final add or relu, is not a head. A linear logits projection keeps its low-precision
+   matmul under the mixed policies (FP32 accumulation; the loss takes the log-softmax in
+   float32); under pure policies every output layer with weights is pinned.
 
 Nothing here imports the rest of keras_mp.
 """
@@ -50,6 +51,7 @@ __all__ = [
     "output_layers",
     "plan",
     "serializes_its_layers",
+    "squashes",
     "sublayers",
 ]
 
@@ -64,9 +66,10 @@ TOKENS = {
     "keras_mp.layers.MultiHeadAttention (softmax in float32); Attention and "
     "AdditiveAttention are pinned; the softmax sublayer of any other attention is pinned by "
     "'softmax'",
-    "output": "the leaf layer(s) producing the model's outputs (a head, never a block): "
-    "pinned, except a linear logits projection under the mixed policies (its matmul stays in "
-    "the compute dtype with FP32 accumulation; the loss takes the log-softmax in float32)",
+    "output": "the leaf layer(s) producing the model's outputs (a head, never a block) when "
+    "they squash (softmax, sigmoid, tanh), and under pure policies any with weights; a linear "
+    "logits projection keeps its matmul in the compute dtype under the mixed policies (FP32 "
+    "accumulation; the loss takes the log-softmax in float32)",
     "normalization": "normalization statistics in float32: Keras' BatchNormalization, "
     "LayerNormalization, GroupNormalization and RMSNormalization compute them in float32 "
     "internally and are not pinned; other Keras normalization layers are",
@@ -90,6 +93,9 @@ _PROJECTIONS = (
 # keras_hub's tied embedding: called with reverse=True it is the logits projection.
 _PROJECTION_NAMES = ("ReversibleEmbedding",)
 _SOFTMAX_NAMES = ("softmax", "log_softmax")
+_SQUASHING = _SOFTMAX_NAMES + (
+    "sigmoid", "log_sigmoid", "hard_sigmoid", "tanh", "softsign", "softplus"
+)
 
 
 def check_entry(entry: Any) -> Any:
@@ -118,6 +124,27 @@ def _is_softmax_layer(layer) -> bool:
         return True
     activation = getattr(layer, "activation", None)
     return callable(activation) and getattr(activation, "__name__", "") in _SOFTMAX_NAMES
+
+
+def squashes(layer: keras.layers.Layer) -> bool:
+    """True for a softmax layer, or a layer whose activation is a probability-like squashing
+    function (softmax, sigmoid, tanh, ...): its output loses most in low precision."""
+    if isinstance(layer, keras.layers.Softmax):
+        return True
+    activation = getattr(layer, "activation", None)
+    return callable(activation) and getattr(activation, "__name__", "") in _SQUASHING
+
+
+def _head_needs_float32(layer, mixed: bool) -> bool:
+    """What `"output"` pins: a leaf output layer that squashes, and under pure policies
+    also one with weights. A block is not a head; an add, a pooling or a relu is exact
+    enough in the compute dtype; a linear logits projection with FP32 master weights keeps
+    its fast matmul (the loss takes the log-softmax in float32)."""
+    if sublayers(layer):
+        return False
+    if squashes(layer):
+        return True
+    return not mixed and (bool(layer.weights) or isinstance(layer, _PROJECTIONS))
 
 
 def emits_logits(layer: keras.layers.Layer) -> bool:
@@ -357,11 +384,8 @@ def layer_rule(policy, layer, outputs: frozenset = frozenset(), graph_node: bool
             continue
         if entry == "normalization" and has_native_fp32_statistics(layer):
             continue  # statistics are float32 already
-        if entry == "output":
-            if sublayers(layer):
-                continue  # a block, not a head
-            if mixed and emits_logits(layer):
-                continue  # the loss up-casts the logits
+        if entry == "output" and not _head_needs_float32(layer, mixed):
+            continue
         if entry == "softmax" and graph_node and type(layer) is keras.layers.Softmax:
             swap = swap or "Softmax"
             continue
@@ -373,7 +397,7 @@ def layer_rule(policy, layer, outputs: frozenset = frozenset(), graph_node: bool
     return None, swap
 
 
-def plan(model: keras.Model, policy, extra: Iterable = ()) -> Plan:
+def plan(model: keras.Model, policy, extra: Iterable = (), keep: Iterable = ()) -> Plan:
     """Decides which layers of `model` run in float32 under `policy`.
 
     Args:
@@ -381,6 +405,8 @@ def plan(model: keras.Model, policy, extra: Iterable = ()) -> Plan:
         policy: A `keras_mp.Policy`.
         extra: Additional `(layer, reason)` pins (e.g. from calibration), placed with the
             same rules as keep-list pins.
+        keep: `(layer, reason)` pins taken as they are (not lifted), e.g. the pins of a
+            loaded converted model.
 
     Returns:
         A `Plan`.
@@ -419,7 +445,8 @@ def plan(model: keras.Model, policy, extra: Iterable = ()) -> Plan:
             parent = parents.get(id(top))
         return top
 
-    roots = {}
+    roots = {id(layer): (layer, Pin(where[id(layer)], type(layer).__name__, reason))
+             for layer, reason in keep if id(layer) in where}
     for layer, reason in wanted:
         target, note = layer, ""
         if not _is_softmax_layer(layer) and not isinstance(layer, keras.Model):

@@ -56,11 +56,12 @@ The tokens:
 - `"attention"`: a stock `MultiHeadAttention` in a graph becomes
   `keras_mp.layers.MultiHeadAttention`; inside a block (keras_hub's transformer layers) its
   softmax sublayer is pinned instead; `Attention`/`AdditiveAttention` are pinned.
-- `"output"`: the leaf layer(s) producing the model's outputs are pinned, except a linear
-  logits projection under the mixed policies (tensor cores accumulate in float32 and the
-  loss takes the log-softmax in float32; running the vocabulary projection in float32
-  costs about a fifth of a language model's step on a GPU). A transformer block or a
-  nested model producing an output is not a head and is not pinned.
+- `"output"`: the leaf layer(s) producing the model's outputs are pinned when they squash
+  (a softmax, sigmoid or tanh head; under pure policies, any with weights). A linear logits
+  projection keeps its low-precision matmul under the mixed policies (tensor cores
+  accumulate in float32 and the loss takes the log-softmax in float32; running the
+  vocabulary projection in float32 costs about a fifth of a language model's step on a
+  GPU). A transformer block, a nested model, a final add or relu is not a head.
 - `"normalization"`: statistics in float32. Keras' BatchNormalization, LayerNormalization,
   GroupNormalization and RMSNormalization compute them in float32 internally and are not
   pinned; other Keras normalization layers are. To pin one whole anyway, add its class
@@ -200,7 +201,8 @@ class Policy(keras.DTypePolicy):
         Returns:
             `keras.DTypePolicy("float32")` for a pinned layer under a low-precision policy,
             else `self.base`. Not pinned: Keras' normalization layers with float32
-            statistics, and linear logits projections under the mixed policies.
+            statistics, and output layers that do not squash (linear logits projections
+            under the mixed policies included).
         """
         if not self.is_low_precision:
             return self.base

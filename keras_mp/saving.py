@@ -20,7 +20,7 @@ from typing import Any
 import keras
 from keras import ops
 
-__all__ = ["load_model", "load_weights"]
+__all__ = ["load_model", "load_weights", "reapply_plan"]
 
 _SKIPPED = "Skipping variable loading for optimizer"
 
@@ -125,9 +125,50 @@ def load_model(
     """
     filepath = os.fspath(filepath)
     _check_archive(filepath, custom_objects)
-    return keras.models.load_model(
+    model = keras.models.load_model(
         filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
     )
+    reapply_plan(model)
+    return model
+
+
+def reapply_plan(model: keras.Model) -> bool:
+    """Gives a loaded `kmp.convert` model back what its saved policy map cannot hold.
+
+    Keras resolves a `DTypePolicyMap` only for layers with a path, and a loaded keras_hub
+    model rebuilds its blocks' sublayers as stock layers: the pins of path-less sublayers
+    (the softmax inside a keras_hub `MultiHeadAttention`) and keras_mp's fused layer-norm and
+    GELU kernels are not in the file. The map's default policy carries the keep-list, so
+    the plan is made again on the loaded model and applied. Models not made by
+    `kmp.convert` are left as they are.
+
+    Args:
+        model: A loaded model.
+
+    Returns:
+        True if the model was made by `kmp.convert` and the plan was applied.
+    """
+    from keras_mp import keep_list, policies
+    from keras_mp.convert import apply_plan
+
+    maps = [
+        x.dtype_policy
+        for x in model._flatten_layers(include_self=True)
+        if isinstance(x, keras.Model)
+        and isinstance(x.dtype_policy, keras.dtype_policies.DTypePolicyMap)
+        and isinstance(x.dtype_policy.default_policy, policies.Policy)
+    ]
+    if not maps:
+        return False
+    layers, _ = keep_list.layer_tree(model)
+    saved = [  # pins the file holds (in the map, or in a layer's own config) stay
+        (x, "pinned in the saved model")
+        for x in layers
+        if x.path and x.compute_dtype == "float32" and not isinstance(x, keras.layers.InputLayer)
+    ]
+    pmap = maps[0]
+    apply_plan(model, keep_list.plan(model, pmap.default_policy, keep=saved), pmap)
+    return True
 
 
 def _state_variables(model: keras.Model) -> list:

@@ -139,10 +139,16 @@ def test_for_layer_pins_keep_list_layers_only_under_low_precision():
               keras.layers.Conv2D(2, 1)]
     assert [policy.for_layer(x, output_layers=[x]).name for x in logits] == ["mixed_bfloat16"] * 3
     assert [pure.for_layer(x, output_layers=[x]).name for x in logits] == ["float32"] * 3
-    for other in (keras.layers.Dense(3, activation="sigmoid"), keras.layers.Dense(3, "relu"),
-                  keras.layers.Activation("tanh"), keras.layers.Embedding(4, 2)):
+    for other in (keras.layers.Dense(3, activation="sigmoid"), keras.layers.Activation("tanh")):
         assert policy.for_layer(other, output_layers=[other]).name == "float32", other
         assert policy.for_layer(other).name == "mixed_bfloat16"  # not an output: not pinned
+    # Outputs that do not squash are exact enough low (features, a relu, an add, a lookup);
+    # under a pure policy those with weights are pinned.
+    for plain in (keras.layers.Dense(3, "relu"), keras.layers.Embedding(4, 2),
+                  keras.layers.Add(), keras.layers.Activation("relu")):
+        assert policy.for_layer(plain, output_layers=[plain]).name == "mixed_bfloat16", plain
+    add = keras.layers.Add()
+    assert pure.for_layer(add, output_layers=[add]).name == "bfloat16"
     # Under float32 there is nothing to pin.
     assert _policy("float32").for_layer(keras.layers.Softmax()).name == "float32"
     assert policy.keep_entry(keras.layers.LayerNormalization()) == "normalization"
