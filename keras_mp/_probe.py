@@ -1,9 +1,9 @@
 """Running a model on one batch while watching every layer, and its gradients (any backend).
 
 `trace(model, x)` calls the model once, eagerly, with every layer's `call` (nested models
-and sublayers of blocks included) wrapped to record the largest |value| of its floating
-inputs and outputs, their dtypes and shapes: the audit, calibration and `NonFiniteGuard`
-read it. Keras has no forward hooks; the wrappers are instance attributes removed when the
+and sublayers of blocks included) wrapped to record the largest |value| of its main input
+and output (masks and biases passed beside them are left out), their dtypes and shapes:
+the audit, calibration and `NonFiniteGuard` read it. Keras has no forward hooks; the wrappers are instance attributes removed when the
 call returns. Gradients need the backend's autodiff (TensorFlow's tape, `jax.grad`, torch
 autograd), imported lazily, as Keras' own trainers do; everything else is `keras.ops`.
 """
@@ -84,8 +84,9 @@ class LayerTrace:
         address: its path (or parent path and name, see `keep_list.addresses`).
         depth: how many layers contain it (0: a layer of the model itself).
         calls: how many times it was called.
-        input_max: largest |value| of its floating inputs (inf if non-finite).
-        output_max: the same for its outputs.
+        input_max: largest |value| of its main input, the first argument (inf if
+            non-finite).
+        output_max: the same for its main output (the first of a tuple, all of a dict).
         output_dtype: dtype of its first floating output.
         input_shapes / output_shapes: shapes of the first call's floating tensors.
         end: completion order of its first call (inner layers finish before their block).
@@ -129,7 +130,11 @@ def trace(model: keras.Model, x, training: bool = False) -> list:
     def wrap(layer, call):
         def recorded(*args, **kwargs):
             outputs = call(*args, **kwargs)
-            ins, outs = _floats((args, kwargs)), _floats(outputs)
+            # The main tensors: the first argument, and the first output of a tuple (masks,
+            # position biases and caches travel beside them with their own sentinel values).
+            ins = _floats(args[0] if args else next(iter(kwargs.values()), None))
+            outs = _floats(outputs[0] if isinstance(outputs, (tuple, list)) and outputs
+                           else outputs)
             peaks = _peak(ins), _peak(outs)
             if None in peaks:
                 return outputs  # symbolic (Keras building the layer, a jit inside): no values

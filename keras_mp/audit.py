@@ -373,7 +373,8 @@ def audit(
     else:
         values = gradients(model, x, y, loss_fn, scale)
         grads = {id(v): g for v, g in zip(model.trainable_variables, values, strict=True)}
-        notes.append(f"gradients of {loss_desc} on {len(np.asarray(y))} samples")
+        samples = len(np.asarray(keras.tree.flatten(y)[0]))
+        notes.append(f"gradients of {loss_desc} on {samples} samples")
 
     rows = []
     for rec in records:

@@ -11,6 +11,7 @@ Under a pure float16/bfloat16 policy the variables of the low layers are then re
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 from typing import Any
@@ -18,33 +19,51 @@ from typing import Any
 import keras
 from keras.src.utils.tracking import DotNotTrackScope
 
+from keras_mp import calibrate as calibration
 from keras_mp import keep_list
+from keras_mp._probe import trace
 from keras_mp.model_copy import copy_model, pair_layers, recast_variables
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, _as_policy, policy_map
 
 __all__ = ["apply_plan", "convert", "plan"]
 
 
-def plan(model: keras.Model, policy: str | Policy) -> keep_list.Plan:
+def plan(
+    model: keras.Model,
+    policy: str | Policy,
+    *,
+    calibrate: Any = None,
+    margin: float = calibration.DEFAULT_MARGIN,
+    max_batches: int = 8,
+) -> keep_list.Plan:
     """Which layers of `model` would run in float32 under `policy`, and why.
 
-    The same decision `convert` applies, without converting anything.
+    The decision `convert` applies: the keep-list, and with `calibrate` the layers that
+    leave the compute dtype's range on those batches (see `keras_mp.calibrate`).
 
     Args:
-        model: A built Keras model.
+        model: A built Keras model (the float32 model when calibrating).
         policy: A `Policy` or a policy name.
+        calibrate: Optional batches (`x`, `(x, y)`, a list of them, or a dataset).
+        margin: Calibration's safety factor: a layer is pinned when a tensor it receives
+            or produces exceeds the dtype's largest value / `margin` (float16: 65504 / 4).
+        max_batches: At most this many batches of `calibrate` are used.
 
     Returns:
-        A `keras_mp.keep_list.Plan`: `print` it, or `to_dict()`.
+        A `keras_mp.keep_list.Plan`: `print` it, or `to_dict()`; its `calibration` holds
+        the measurements, the pins' measured maxima against the limit and their cost.
 
     Example:
 
     ```python
-    print(kmp.plan(model, "mixed_float16"))
+    print(kmp.plan(model, "mixed_float16", calibrate=x_train[:256]))
     ```
     """
     _check_model(model)
-    return keep_list.plan(model, _as_policy(policy))
+    policy = _as_policy(policy)
+    if calibrate is None:
+        return keep_list.plan(model, policy)
+    return _calibrated(model, policy, calibrate, margin, max_batches)[0]
 
 
 def _check_model(model) -> None:
@@ -157,7 +176,14 @@ def _warn_stock_scaler(model: keras.Model) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def convert(model: keras.Model, policy: str | Policy | keep_list.Plan | Any) -> keras.Model:
+def convert(
+    model: keras.Model,
+    policy: str | Policy | keep_list.Plan,
+    *,
+    calibrate: Any = None,
+    margin: float = calibration.DEFAULT_MARGIN,
+    max_batches: int = 8,
+) -> keras.Model:
     """Returns a copy of `model` running under `policy`, with its weights.
 
     Every layer runs in the policy's compute dtype except what its keep-list pins to
@@ -200,11 +226,20 @@ def convert(model: keras.Model, policy: str | Policy | keep_list.Plan | Any) -> 
     """
     _check_model(model)
     if isinstance(policy, keep_list.Plan):
-        the_plan, policy = policy, policy.policy
-    else:
-        policy = _as_policy(policy)
-        _warn_unmatched(model, policy)
-        the_plan = keep_list.plan(model, policy)
+        if calibrate is not None:
+            raise ValueError("convert: pass `calibrate` to kmp.plan, or a policy, not a plan.")
+        return _converted(model, policy)
+    policy = _as_policy(policy)
+    _warn_unmatched(model, policy)
+    if calibrate is None:
+        return _converted(model, keep_list.plan(model, policy))
+    the_plan, new = _calibrated(model, policy, calibrate, margin, max_batches)
+    return new if new is not None else _converted(model, the_plan)
+
+
+def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
+    """A copy of `model` running under `the_plan`."""
+    policy = the_plan.policy
     _warn_stock_scaler(model)
     try:
         new, copied = copy_model(model)
@@ -223,6 +258,71 @@ def convert(model: keras.Model, policy: str | Policy | keep_list.Plan | Any) -> 
         new.compile_from_config(model.get_compile_config())
     new.precision_plan = the_plan
     return new
+
+
+_INTERNAL = "non-finite in {dtype} though finite in float32: a tensor inside it overflows"
+_ROUNDS = 12  # checks of the converted model, each pinning the first layer to overflow
+
+
+def _calibrated(model, policy: Policy, data, margin, max_batches) -> tuple:
+    """(plan with calibration pins, converted model checked on the batches or None)."""
+    margin = calibration.check_margin(margin)
+    items = calibration.batches(data, max_batches)
+    ranges = calibration.measure(model, items)
+    low = policy.compute_dtype
+    pins = calibration.range_pins(ranges, low, margin) if policy.is_low_precision else {}
+    cal = calibration.Calibration(
+        low, margin, calibration.limit(low, margin), len(items), ranges, pins
+    )
+    layers, _ = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    layer_at = {where[id(x)]: x for x in layers}
+
+    def make_plan():
+        extra = [(layer_at[a], reason) for a, reason in pins.items() if a in layer_at]
+        result = keep_list.plan(model, policy, extra=extra)
+        result.calibration = cal
+        return result
+
+    the_plan, new = make_plan(), None
+    if low == "float16":  # bfloat16 has float32's range: nothing to check
+        for _ in range(_ROUNDS):
+            new = _converted(model, the_plan)
+            try:
+                bad = _overflowing(new, items, ranges)
+            except Exception as e:  # noqa: BLE001 - e.g. JAX's CPU has no float16 dot
+                the_plan.notes.append(f"converted model not checked here ({type(e).__name__})")
+                new = None
+                break
+            if not bad:
+                cal.checked = True
+                break
+            # The first layer to overflow is the source; what follows it only inherits inf.
+            pins[bad[0]] = _INTERNAL.format(dtype=low)
+            the_plan = make_plan()
+            new = None
+    base = keep_list.plan(model, policy).float32
+    cal.fp32_flops, cal.range_flops = calibration.flop_shares(
+        ranges, the_plan.float32, the_plan.float32 - base
+    )
+    if new is not None:
+        new.precision_plan = the_plan
+    return the_plan, new
+
+
+def _overflowing(new: keras.Model, items: list, ranges: dict) -> list:
+    """Addresses whose output is non-finite in `new` but finite in the float32 model, the
+    first to overflow (innermost, earliest) first."""
+    bad = []
+    for x, _ in items:
+        for rec in trace(new, x):
+            fp32 = ranges.get(rec.address)
+            if fp32 is None or rec.layer.compute_dtype == "float32":
+                continue
+            r = fp32.low_output_max = max(fp32.low_output_max or 0.0, rec.output_max)
+            if math.isinf(r) and math.isfinite(fp32.output_max) and rec.address not in bad:
+                bad.append(rec.address)
+    return bad
 
 
 def _translate(the_plan: keep_list.Plan, model: keras.Model, new: keras.Model):

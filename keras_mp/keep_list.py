@@ -329,6 +329,7 @@ class Plan:
         notes: decisions worth knowing (lifted pins, output blocks left alone).
         float32: addresses (see `addresses`) of every layer that runs in float32: the
             pins and their sublayers.
+        calibration: the `keras_mp.calibrate.Calibration` behind a calibrated plan.
     """
 
     policy: Any
@@ -336,6 +337,7 @@ class Plan:
     swaps: dict = dataclasses.field(default_factory=dict)
     notes: list = dataclasses.field(default_factory=list)
     float32: set = dataclasses.field(default_factory=set, repr=False)
+    calibration: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def policy_name(self) -> str:
@@ -347,6 +349,7 @@ class Plan:
             "pins": [dataclasses.asdict(p) for p in self.pins],
             "swaps": dict(self.swaps),
             "notes": list(self.notes),
+            "calibration": None if self.calibration is None else self.calibration.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -359,6 +362,8 @@ class Plan:
         if self.swaps:
             lines.append(f"  {len(self.swaps)} stock layer(s) replaced by keras_mp versions")
         lines += [f"  note: {n}" for n in self.notes]
+        if self.calibration is not None:
+            lines += ["  " + line for line in self.calibration.summary()]
         return "\n".join(lines)
 
 

@@ -1,0 +1,208 @@
+"""Calibration: the layers that leave the compute dtype's range on the user's own data.
+
+`measure(model, data)` runs the float32 model on a few batches with every layer watched
+(`keras_mp._probe.trace`): the largest |value| each layer receives and produces, nested
+layers and sublayers of blocks included, and each layer's matmul FLOPs. `range_pins` turns
+that into pins: a layer is pinned when a tensor it receives or produces exceeds the compute
+dtype's largest finite value divided by `margin` (65504 / 4 = 16376 for float16 by default).
+A residual stream is no layer's output, but every layer downstream receives it: the blocks
+it flows through and the norm that finally tames it are pinned, and the pinned outputs stay
+in float32 from one pinned layer to the next. Under bfloat16 (float32's range) nothing is
+pinned for range. `keras_mp.convert(..., calibrate=data)` applies the pins with the
+keep-list's rules (a pin inside a block pins the block) and then checks the converted model
+on the same batches: a layer whose output is non-finite in the low dtype though finite in
+float32 (an internal tensor, e.g. attention scores, overflowed) is pinned too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import keras
+import ml_dtypes
+import numpy as np
+
+from keras_mp._probe import matmul_flops, trace, unpack
+
+__all__ = [
+    "Calibration",
+    "LayerRange",
+    "batches",
+    "check_margin",
+    "flop_shares",
+    "limit",
+    "measure",
+    "range_pins",
+]
+
+DEFAULT_MARGIN = 4.0
+_MAX_BATCHES = 8
+
+
+def _finite_max(dtype: str) -> float:
+    return float(ml_dtypes.finfo(dtype).max if dtype == "bfloat16" else np.finfo(dtype).max)
+
+
+def limit(compute_dtype: str, margin: float) -> float:
+    """The largest |value| calibration lets a `compute_dtype` tensor reach: max / margin."""
+    return _finite_max(compute_dtype) / margin
+
+
+def batches(data: Any, max_batches: int = _MAX_BATCHES) -> list:
+    """The calibration batches in `data`, as `(x, y)` pairs (`y` may be None).
+
+    `data` is one batch (`x`, or `(x, y)`), a list of batches, or an iterable of batches
+    (a `tf.data.Dataset`, a generator, a `PyDataset`), of which the first `max_batches`
+    are used.
+    """
+    if isinstance(data, list) and data and not isinstance(data[0], (int, float)):
+        items = data[:max_batches]
+    elif isinstance(data, (tuple, dict, np.ndarray)) or hasattr(data, "shape"):
+        items = [data]
+    else:
+        items = []
+        for item in data:
+            items.append(item)
+            if len(items) == max_batches:
+                break
+    if not items:
+        raise ValueError("calibrate: `data` holds no batch.")
+    out = []
+    for item in items:
+        x, y, _ = unpack(item)
+        out.append((x, y))
+    return out
+
+
+@dataclasses.dataclass
+class LayerRange:
+    """What calibration measured for one layer (over every batch and call).
+
+    Attributes:
+        path: the layer's address.
+        class_name: its class.
+        input_max: largest |value| it received (inf if non-finite).
+        output_max: largest |value| it produced.
+        flops: its own matmul/convolution FLOPs on one batch (see `_probe.matmul_flops`).
+        low_output_max: largest |output| in the converted model (None: not checked).
+    """
+
+    path: str
+    class_name: str
+    input_max: float = 0.0
+    output_max: float = 0.0
+    flops: float = 0.0
+    low_output_max: float | None = None
+
+
+@dataclasses.dataclass
+class Calibration:
+    """The measurements behind a calibrated plan, and their cost.
+
+    Attributes:
+        compute_dtype: the dtype whose range was checked.
+        margin: the safety factor: the limit is the dtype's largest value / margin.
+        limit: that limit.
+        batches: how many batches were measured.
+        ranges: `LayerRange` per layer address.
+        pinned: `address -> reason` for the layers pinned for range.
+        checked: whether the converted model was run on the batches to confirm it.
+        fp32_flops: share of the model's matmul FLOPs that run in float32 (every pin).
+        range_flops: share of them that calibration's pins added.
+    """
+
+    compute_dtype: str
+    margin: float
+    limit: float
+    batches: int
+    ranges: dict = dataclasses.field(default_factory=dict)
+    pinned: dict = dataclasses.field(default_factory=dict)
+    checked: bool = False
+    fp32_flops: float | None = None
+    range_flops: float | None = None
+
+    def worst(self, path: str) -> float:
+        r = self.ranges[path]
+        return max(r.input_max, r.output_max)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> list:
+        """Lines for a report: the limit, how many pins, their cost (the pins themselves,
+        with their measured maxima, are the plan's)."""
+        lines = [
+            f"calibration: {self.batches} batch(es), limit {self.limit:,.0f} "
+            f"({self.compute_dtype} max / margin {self.margin:g}); "
+            f"{len(self.pinned)} layer(s) pinned for range"
+            + ("" if self.checked else " (converted model not checked on this backend)")
+        ]
+        if self.fp32_flops is not None:
+            lines.append(
+                f"cost: {100 * self.fp32_flops:.1f}% of the matmul FLOPs run in float32 "
+                f"({100 * (self.range_flops or 0):.1f}% for range)"
+            )
+        return lines
+
+
+def measure(model: keras.Model, data: Any, max_batches: int = _MAX_BATCHES) -> dict:
+    """Per layer address, the largest |input| and |output| over the batches, and FLOPs.
+
+    Args:
+        model: A built model (run as it is: measure the float32 model).
+        data: Batches, as for `batches`.
+        max_batches: At most this many batches are used.
+
+    Returns:
+        `{address: LayerRange}`.
+    """
+    ranges: dict = {}
+    for x, _ in batches(data, max_batches):
+        for rec in trace(model, x):
+            r = ranges.get(rec.address)
+            if r is None:
+                r = ranges[rec.address] = LayerRange(rec.address, type(rec.layer).__name__)
+                r.flops = matmul_flops(rec) * rec.calls
+            r.input_max = max(r.input_max, rec.input_max)
+            r.output_max = max(r.output_max, rec.output_max)
+    return ranges
+
+
+def range_pins(ranges: dict, compute_dtype: str, margin: float) -> dict:
+    """`address -> reason` for the layers that receive or produce a tensor past the limit.
+
+    Args:
+        ranges: From `measure`.
+        compute_dtype: The low dtype ("float16", "bfloat16").
+        margin: Safety factor (> 1): the limit is the dtype's largest value / margin.
+
+    Returns:
+        The reasons, each with the measured maximum against the limit.
+    """
+    bound = limit(compute_dtype, margin)
+    pins = {}
+    for path, r in ranges.items():
+        side, value = ("output", r.output_max) if r.output_max >= r.input_max else (
+            "input", r.input_max)
+        if bound < value < math.inf:  # inf: broken in float32 already, pinning cannot help
+            pins[path] = f"calibration: max |{side}| = {value:,.0f} > {bound:,.0f}"
+    return pins
+
+
+def check_margin(margin: Any) -> float:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
+        raise ValueError(f"calibrate: `margin` must be a number >= 1. Received: {margin!r}")
+    return float(margin)
+
+
+def flop_shares(ranges: dict, float32: Iterable, range_only: Iterable) -> tuple:
+    """(share of FLOPs in float32, share added by calibration), or (None, None)."""
+    total = sum(r.flops for r in ranges.values())
+    if not total:
+        return None, None
+    f32 = sum(ranges[a].flops for a in set(float32) if a in ranges)
+    extra = sum(ranges[a].flops for a in set(range_only) if a in ranges)
+    return f32 / total, extra / total

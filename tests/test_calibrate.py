@@ -1,0 +1,111 @@
+"""Calibrated conversion: the layers that leave float16's range on the data are pinned."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp as kmp
+from keras_mp import calibrate
+from keras_mp.cli import overflow
+
+RNG = np.random.default_rng(0)
+ENC = RNG.integers(0, 64, (256, 16)).astype("int32")
+DEC = RNG.integers(0, 64, (256, 12)).astype("int32")
+
+
+def _f32(t):
+    return keras.ops.convert_to_numpy(keras.ops.cast(t, "float32"))
+
+
+def _enc_dec():
+    return overflow.t5_encoder_decoder(ENC, DEC, vocab=64)
+
+
+@pytest.mark.tf_only  # JAX's CPU has no float16 dot
+def test_t5_style_model_plain_conversion_overflows_calibrated_one_is_close():
+    model = _enc_dec()
+    x = {"encoder": ENC[:32], "decoder": DEC[:32]}
+    reference = _f32(model(x))
+    assert not np.isfinite(_f32(kmp.convert(model, "mixed_float16")(x))).all()
+    converted = kmp.convert(model, "mixed_float16", calibrate=x)
+    plan = converted.precision_plan
+    # Only what touches the overflowing tensor: the last encoder block's wo, the residual
+    # add after it and the final norm receiving the stream; 6 of the 46 layers are float32.
+    assert [p.path for p in plan.pins] == ["enc1_wo", "enc1_ffn_res", "enc_final_norm"]
+    assert plan.pins[0].reason.startswith("calibration: max |output| = 94,")
+    assert plan.pins[2].reason.startswith("calibration: max |input| = 94,")
+    assert plan.calibration.checked and plan.calibration.limit == 65504 / 4
+    assert 0 < plan.calibration.fp32_flops < 0.06  # measured 4.9%
+    # Measured: 1.3e-3 of the largest logit (float16 elsewhere).
+    result = _f32(converted(x))
+    assert np.abs(result - reference).max() / np.abs(reference).max() < 5e-3
+    assert "cost: 4.9% of the matmul FLOPs run in float32" in str(plan)
+
+
+@pytest.mark.tf_only
+@pytest.mark.parametrize("steps", [pytest.param(200, marks=pytest.mark.slow), 16])
+def test_calibrated_t5_style_model_trains_without_scale_collapse(steps):
+    model = _enc_dec()
+    x = {"encoder": ENC, "decoder": DEC}
+    y = np.roll(DEC, -1, axis=1)  # next token of the decoder input
+    converted = kmp.convert(model, "mixed_float16", calibrate={k: v[:32] for k, v in x.items()})
+    converted.compile(
+        optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
+        loss=kmp.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=True,
+    )
+    epochs = steps // 8
+    history = converted.fit(x, y, batch_size=32, epochs=epochs, verbose=0, shuffle=False)
+    losses = history.history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    opt = converted.optimizer
+    assert int(keras.ops.convert_to_numpy(opt.skipped_steps.value)) <= 1
+    assert float(keras.ops.convert_to_numpy(opt.loss_scale.value)) >= 2.0**14
+
+
+@pytest.mark.tf_only
+def test_growing_residual_stream_pins_only_the_late_blocks():
+    model = overflow.growing_decoder(DEC, vocab=64, blocks=4)
+    converted = kmp.convert(model, "mixed_float16", calibrate=DEC[:32])
+    pinned = [p.path for p in converted.precision_plan.pins]
+    # The stream passes 16,376 (65504 / 4) in block 2's feed-forward; blocks 0-1 stay low.
+    assert pinned[0] == "dec2_wo" and pinned[-1] == "final_norm"
+    assert not any(p.startswith(("dec0", "dec1")) for p in pinned)
+    assert converted.get_layer("dec3_wi").compute_dtype == "float16"  # its input is normed
+    assert converted.get_layer("dec3_attn").compute_dtype == "float16"
+    reference = _f32(model(DEC[:32]))
+    result = _f32(converted(DEC[:32]))
+    assert np.abs(result - reference).max() / np.abs(reference).max() < 5e-3
+    assert not np.isfinite(_f32(kmp.convert(model, "mixed_float16")(DEC[:32]))).all()
+
+
+def test_bfloat16_pins_nothing_for_range_and_data_forms():
+    model = _enc_dec()
+    batch = {"encoder": ENC[:8], "decoder": DEC[:8]}
+    for data in (batch, (batch, DEC[:8]), [batch, batch], iter([batch] * 3)):
+        plan = kmp.plan(model, "mixed_bfloat16", calibrate=data)
+        assert plan.calibration.pinned == {} and plan.pins == []
+    cal = kmp.plan(model, "mixed_bfloat16", calibrate=[batch] * 3).calibration
+    assert cal.batches == 3 and cal.ranges["enc1_wo"].output_max > 65504
+    with pytest.raises(ValueError, match="`margin` must be a number >= 1"):
+        kmp.plan(model, "mixed_float16", calibrate=batch, margin=0.5)
+    with pytest.raises(ValueError, match="holds no batch"):
+        kmp.plan(model, "mixed_float16", calibrate=[])
+
+
+def test_range_pins_rule():
+    ranges = {
+        "a": calibrate.LayerRange("a", "Dense", input_max=3.0, output_max=20000.0),
+        "b": calibrate.LayerRange("b", "LayerNormalization", input_max=20000.0, output_max=3.0),
+        "c": calibrate.LayerRange("c", "Dense", input_max=3.0, output_max=16000.0),
+        "d": calibrate.LayerRange("d", "Dense", input_max=3.0, output_max=math.inf),
+    }
+    pins = calibrate.range_pins(ranges, "float16", margin=4.0)
+    assert pins == {
+        "a": "calibration: max |output| = 20,000 > 16,376",
+        "b": "calibration: max |input| = 20,000 > 16,376",
+    }  # "c" is inside the limit; "d" overflows in float32 already: pinning cannot help
+    assert calibrate.range_pins(ranges, "float16", margin=1.0) == {}
+    assert calibrate.range_pins(ranges, "bfloat16", margin=4.0) == {}
