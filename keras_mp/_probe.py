@@ -4,8 +4,9 @@
 and sublayers of blocks included) wrapped to record the largest |value| of its main input
 and output (masks and biases passed beside them are left out), their dtypes and shapes:
 the audit, calibration and `NonFiniteGuard` read it. Keras has no forward hooks; the
-wrappers are instance attributes removed when the call returns. Gradients need the backend's autodiff (TensorFlow's tape, `jax.grad`, torch
-autograd), imported lazily, as Keras' own trainers do; everything else is `keras.ops`.
+wrappers are instance attributes removed when the call returns. Gradients need the
+backend's autodiff (TensorFlow's tape, `jax.grad`, torch autograd), imported lazily, as
+Keras' own trainers do; everything else is `keras.ops`.
 """
 
 from __future__ import annotations
