@@ -10,7 +10,6 @@ its matmul/conv dimensions suit tensor cores (multiples of 8). It works on float
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import math
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ import keras
 import numpy as np
 
 from keras_mp import keep_list
+from keras_mp._audit_report import AuditReport, LayerAudit, VariableAudit
 from keras_mp._probe import gradients, to_numpy, trace, unpack
 from keras_mp.keep_list import emits_logits
 
@@ -37,147 +37,6 @@ _UPCASTS_INTERNALLY = (
 )
 _NORMALIZATION = _UPCASTS_INTERNALLY + ("UnitNormalization",)
 _ATTENTION = ("MultiHeadAttention", "GroupedQueryAttention", "Attention", "AdditiveAttention")
-
-
-@dataclasses.dataclass
-class VariableAudit:
-    """Gradient facts for one trainable variable (fractions of its non-zero gradient elements).
-
-    Attributes:
-        path: the variable's path.
-        shape: its shape.
-        dtype: its dtype.
-        grad_underflow_at_1: fraction that round to 0 in float16 at scale 1.
-        grad_underflow_at_scale: the same after multiplying by the audit's loss scale.
-        grad_overflow_at_scale: fraction that exceed 65504 after scaling.
-        grad_nonfinite: fraction of all elements that are inf/NaN.
-        grad_max_abs: the largest finite gradient magnitude.
-    """
-
-    path: str
-    shape: tuple
-    dtype: str
-    grad_underflow_at_1: float | None = None
-    grad_underflow_at_scale: float | None = None
-    grad_overflow_at_scale: float | None = None
-    grad_nonfinite: float | None = None
-    grad_max_abs: float | None = None
-
-
-@dataclasses.dataclass
-class LayerAudit:
-    """What the audit found for one layer.
-
-    Attributes:
-        name / class_name / compute_dtype / variable_dtype: the layer's identity and dtypes.
-        fp32_reason: why the layer should compute in float32 (None: it need not).
-        runs_low: it should compute in float32 but computes in float16/bfloat16.
-        path / depth: where the layer sits (its path; 0 for a layer of the model itself,
-            1 for a sublayer of one, ...).
-        max_abs_activation: the largest |output| on the batch (inf if non-finite; None if
-            it could not be read).
-        max_abs_input: the same for its floating inputs (e.g. a residual stream).
-        overflow_risk: the output exceeds 65504 and the layer runs (or, in a float32
-            model, would run) in float16.
-        matmul_dims: the matmul/conv dimensions that tensor cores tile.
-        misaligned_dims: those of `matmul_dims` that are not multiples of 8.
-        variables: a `VariableAudit` per trainable variable.
-    """
-
-    name: str
-    class_name: str
-    compute_dtype: str
-    variable_dtype: str
-    path: str = ""
-    depth: int = 0
-    fp32_reason: str | None = None
-    runs_low: bool = False
-    max_abs_activation: float | None = None
-    overflow_risk: bool = False
-    max_abs_input: float | None = None
-    matmul_dims: tuple = ()
-    misaligned_dims: tuple = ()
-    variables: list = dataclasses.field(default_factory=list)
-
-    def worst(self, field: str) -> float | None:
-        values = [getattr(v, field) for v in self.variables if getattr(v, field) is not None]
-        return max(values) if values else None
-
-
-@dataclasses.dataclass
-class AuditReport:
-    """The result of `audit()`: one `LayerAudit` per layer, a verdict and advice.
-
-    `str(report)` is a table; `to_dict()` a JSON-ready dict; `report["name"]` a layer.
-
-    Attributes:
-        model_name: the model's name.
-        loss_scale: the scale the "at scale" gradient columns use.
-        loss_scale_source: where it came from.
-        layers: the `LayerAudit`s, in execution order.
-        notes: what the audit could not do, and why.
-        converted: the model was made by `kmp.convert` (its layers share a policy map).
-        verdict: one line.
-        advice: concrete actions.
-    """
-
-    model_name: str
-    loss_scale: float
-    loss_scale_source: str
-    layers: list
-    notes: list
-    converted: bool = False
-    verdict: str = ""
-    advice: list = dataclasses.field(default_factory=list)
-
-    def __getitem__(self, name: str) -> LayerAudit:
-        """The row of the layer with this path, or else the first with this name."""
-        for layer in self.layers:
-            if layer.path == name:
-                return layer
-        for layer in self.layers:
-            if layer.name == name:
-                return layer
-        raise KeyError(f"No layer named {name!r} in the audit of {self.model_name!r}.")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def __str__(self) -> str:
-        def num(x, fmt="{:.3g}"):
-            return "-" if x is None else fmt.format(x)
-
-        def pct(x):
-            return "-" if x is None else f"{100 * x:.1f}%"
-
-        header = (
-            "layer", "class", "compute/var", "fp32?", "max|act|", "grad uflow@1",
-            f"@{self.loss_scale:g}", "dims%8",
-        )
-        rows = []
-        for la in self.layers:
-            rows.append((
-                la.path or la.name,
-                la.class_name,
-                f"{la.compute_dtype}/{la.variable_dtype}",
-                ("LOW! " if la.runs_low else "") + (la.fp32_reason or "") or "-",
-                num(la.max_abs_activation) + (" >FP16!" if la.overflow_risk else ""),
-                pct(la.worst("grad_underflow_at_1")),
-                pct(la.worst("grad_underflow_at_scale")),
-                "-" if not la.matmul_dims else (
-                    "ok" if not la.misaligned_dims else
-                    "pad " + ",".join(map(str, la.misaligned_dims))
-                ),
-            ))
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-        line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        out = [f"Precision audit of {self.model_name!r} (loss scale {self.loss_scale:g}, "
-               f"{self.loss_scale_source})", line(header), line(["-" * w for w in widths])]
-        out += [line(r) for r in rows]
-        out += [f"note: {n}" for n in self.notes]
-        out += ["", f"Verdict: {self.verdict}"]
-        out += [f"  - {a}" for a in self.advice]
-        return "\n".join(out)
 
 
 def _gradient_facts(g: np.ndarray, scale: float) -> dict:
@@ -311,6 +170,8 @@ def audit(
     loss_scale: float | None = None,
     keep_fp32: Iterable | None = None,
     underflow_threshold: float = 0.01,
+    margin: float = 4.0,
+    propose: bool = True,
 ) -> AuditReport:
     """Audits a model's readiness for (or behaviour under) mixed precision on one batch.
 
@@ -330,6 +191,10 @@ def audit(
         keep_fp32: extra layers that must stay float32: layer classes, class names or
             `fnmatch` patterns over layer names/paths (softmax, normalization, attention
             and output layers are always checked).
+        margin: calibration's safety factor for the proposal (see `kmp.plan`).
+        propose: also make the calibrated float16 plan on `data` (`report.proposal`): the
+            float32 model (or a float32 copy of a converted one) is measured and the
+            converted model checked, exactly as `kmp.convert(..., calibrate=data)` does.
         underflow_threshold: fraction of a variable's gradient elements underflowing at
             the loss scale above which the report advises a larger scale.
 
@@ -412,8 +277,26 @@ def audit(
         model.dtype_policy, keras.dtype_policies.DTypePolicyMap
     )
     report = AuditReport(model.name, scale, scale_source, rows, notes, converted)
+    if propose:
+        report.proposal = _proposal(model, x, margin, model_fp32)
     _conclude(report, model_fp32, underflow_threshold)
     return report
+
+
+def _proposal(model, x, margin: float, model_fp32: bool):
+    """The calibrated mixed_float16 plan for `model` on `x` (None where it cannot be made)."""
+    from keras_mp import policies
+    from keras_mp.convert import convert, plan
+
+    policy = model.dtype_policy
+    default = getattr(policy, "default_policy", policy)
+    keep = default.keep_fp32 if isinstance(default, policies.Policy) else None
+    target = policies.Policy("mixed_float16", **({"keep_fp32": keep} if keep else {}))
+    try:
+        fp32 = model if model_fp32 else convert(model, "float32")
+        return plan(fp32, target, calibrate=x, margin=margin)
+    except Exception:  # noqa: BLE001 - the rest of the audit stands without it
+        return None
 
 
 def _suggest_scale(layers) -> float | None:
@@ -422,6 +305,18 @@ def _suggest_scale(layers) -> float | None:
     if not peak:
         return None
     return 2.0 ** min(24, math.floor(math.log2(FP16_MAX / 2 / peak)))
+
+
+def _range_pins(report: AuditReport) -> list:
+    """The proposal's calibration pins on layers the audited model runs low."""
+    proposal = report.proposal
+    if proposal is None or proposal.calibration is None:
+        return []
+    float32 = {la.path for la in report.layers if la.compute_dtype == "float32"}
+    if report.layers and all(la.compute_dtype == "float32" for la in report.layers):
+        float32 = set()  # a float32 model: every proposed pin is news
+    return [p for p in proposal.pins
+            if p.reason.startswith(("calibration", "non-finite")) and p.path not in float32]
 
 
 def _conclude(report: AuditReport, model_fp32: bool, threshold: float) -> None:
@@ -434,14 +329,24 @@ def _conclude(report: AuditReport, model_fp32: bool, threshold: float) -> None:
     too_big = [(la, v) for la in report.layers for v in la.variables
                if (v.grad_overflow_at_scale or 0) > 0]
     pad = [la for la in report.layers if la.misaligned_dims]
-    if over:
+    proposed = _range_pins(report)
+    if over and not proposed:
         first = over[0]
         advice.append(
-            f"Layer {first.name!r} reaches |x| = {first.max_abs_activation:.3g} > 65504: in "
-            "float16 its output becomes inf. Use 'mixed_bfloat16' (float32's range), or pin "
-            f"{', '.join(repr(la.name) for la in over)} to float32 with keras_mp "
-            "(kmp.layers.Float32(layer), or kmp.Policy(..., keep_fp32=[...])), or rescale "
-            "the inputs/weights feeding it."
+            f"Layer {first.path or first.name!r} reaches |x| = {first.max_abs_activation:.3g}"
+            " > 65504: in float16 its output becomes inf. Use 'mixed_bfloat16' (float32's "
+            "range), or pin it to float32 (kmp.Policy(..., keep_fp32=[...]))."
+        )
+    if proposed:
+        cal = report.proposal.calibration
+        listed = ", ".join(f"{p.path!r} ({p.reason.split(': ', 1)[-1]})" for p in proposed[:4])
+        more = f" and {len(proposed) - 4} more" if len(proposed) > 4 else ""
+        cost = "" if cal.fp32_flops is None else (
+            f" ({100 * cal.fp32_flops:.1f}% of the matmul FLOPs in float32)")
+        advice.append(
+            f"For float16, pin {len(proposed)} layer(s): {listed}{more}{cost}. "
+            "kmp.convert(float32_model, 'mixed_float16', calibrate=data) does it; "
+            "'mixed_bfloat16' needs none (float32's range)."
         )
     for la in low:
         if la.depth > 0 or report.converted:
@@ -483,9 +388,10 @@ def _conclude(report: AuditReport, model_fp32: bool, threshold: float) -> None:
             f"Pad {la.name!r} ({la.class_name}) dimensions {padded}: tensor cores need "
             "multiples of 8."
         )
-    if over:
+    if over or proposed:
         report.verdict = (
-            "NOT safe in float16: activations overflow 65504"
+            "NOT safe in float16 as it is: activations overflow 65504"
+            + (f"; calibrated conversion pins {len(proposed)} layer(s)" if proposed else "")
             + ("; bfloat16 is safe for range." if model_fp32 or not low else ".")
         )
     elif low or under or too_big:

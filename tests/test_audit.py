@@ -30,8 +30,12 @@ def test_audit_flags_the_layer_above_fp16_max_in_a_float32_model():
     assert report["pre"].max_abs_activation == 1.0
     assert [la.name for la in report.layers if la.overflow_risk] == ["big"]
     assert report.verdict.startswith("NOT safe in float16")
-    assert "Layer 'big' reaches |x| = 1.28e+05 > 65504" in report.advice[0]
-    assert "'mixed_bfloat16'" in report.advice[0]
+    # The fix is proposed: 'big' produces 128000, the norm after it receives it.
+    assert report.advice[0].startswith(
+        "For float16, pin 2 layer(s): 'big' (max |output| = 128,000 > 16,376), "
+        "'norm' (max |input| = 128,000 > 16,376)"
+    )
+    assert "'mixed_bfloat16' needs none" in report.advice[0]
     assert "1.28e+05 >FP16!" in str(report)
     # No targets: the gradient columns are skipped and the report says so.
     assert report["big"].variables[0].grad_underflow_at_1 is None

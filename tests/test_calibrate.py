@@ -109,3 +109,24 @@ def test_range_pins_rule():
     }  # "c" is inside the limit; "d" overflows in float32 already: pinning cannot help
     assert calibrate.range_pins(ranges, "float16", margin=1.0) == {}
     assert calibrate.range_pins(ranges, "bfloat16", margin=4.0) == {}
+
+
+@pytest.mark.tf_only
+def test_audit_proposes_what_calibrated_convert_disposes():
+    model = _enc_dec()
+    x = {"encoder": ENC[:32], "decoder": DEC[:32]}
+    report = kmp.audit(model, x)
+    assert report.verdict.startswith("NOT safe in float16 as it is")
+    assert "calibrated conversion pins 3 layer(s)" in report.verdict
+    advice = " ".join(report.advice)
+    assert "For float16, pin 3 layer(s): 'enc1_wo' (max |output| = 94," in advice
+    assert "4.9% of the matmul FLOPs in float32" in advice
+    converted = kmp.convert(model, "mixed_float16", calibrate=x)
+    assert [p.path for p in report.proposal.pins] == [
+        p.path for p in converted.precision_plan.pins
+    ]
+    # The converted model's own audit has nothing left to pin for range.
+    again = kmp.audit(converted, x)
+    assert not any("For float16, pin" in a for a in again.advice)
+    json_ready = report.to_dict()
+    assert json_ready["proposal"]["pins"][0]["path"] == "enc1_wo"
