@@ -214,6 +214,32 @@ def test_audit_prints_the_report(tmp_path, capsys):
     assert "random inputs, forward checks only" in out.splitlines()[-1]
 
 
+@pytest.mark.tf_only  # the fix is checked in float16, which JAX's CPU cannot run
+def test_audit_fix_writes_the_calibrated_model(tmp_path, capsys):
+    from keras_mp.cli import overflow
+
+    x = np.random.default_rng(0).integers(0, 20, (64, 16)).astype("int32")
+    model = overflow.t5_encoder(x, classes=4)  # the last feed-forward output reaches 1e5
+    path, npz, out = tmp_path / "t5.keras", tmp_path / "batch.npz", tmp_path / "fixed.keras"
+    model.save(path)
+    np.savez(npz, x=x[:32], y=np.zeros(32, "int32"))
+    assert main(["audit", str(path), "--data", str(npz), "--fix", str(out),
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "For float16, pin 3 layer(s): 'enc1_wo' (max |output| = 100,000" in printed
+    assert "enc_final_norm (RMSNormalization): calibration: max |input|" in printed
+    assert printed.splitlines()[-1] == f"wrote {out}"
+    from keras_mp import saving
+
+    fixed = saving.load_model(str(out))
+    assert fixed.get_layer("enc1_wo").compute_dtype == "float32"
+    assert fixed.get_layer("enc1_wi").compute_dtype == "float16"
+    y = keras.ops.convert_to_numpy(keras.ops.cast(fixed(x[:32]), "float32"))
+    assert np.isfinite(y).all()
+    assert main(["audit", str(path), "--fix", str(out)]) == 2  # needs --data
+    assert "--fix calibrates on your data" in capsys.readouterr().err
+
+
 def test_doctor_prints_a_recommendation(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out

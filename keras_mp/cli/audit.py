@@ -1,7 +1,8 @@
-"""`keras-mp audit MODEL.keras [--data NPZ]`: `kmp.audit`'s report for a saved model.
+"""`keras-mp audit MODEL.keras [--data NPZ] [--fix OUT.keras]`: `kmp.audit`'s report.
 
 A progress bar while the model loads and the audit probes it, the report, then one verdict
-line.
+line. With `--fix`, the model converted under `--policy` and calibrated on `--data`
+(`kmp.convert(..., calibrate=...)`) is written to OUT and its plan printed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["load_batch", "run", "verdict"]
+__all__ = ["fix", "load_batch", "run", "verdict"]
 
 
 def load_batch(path: str | None, model, batch: int = 32, seed: int = 0):
@@ -139,4 +140,23 @@ def run(args) -> int:
     con.print(str(report), markup=False, soft_wrap=True)
     con.print(verdict(report, args.model, forward_only=args.data is None), markup=False,
               soft_wrap=True)
+    if args.fix:
+        con.print(fix(model, data, args.policy, args.margin, args.fix), markup=False,
+                  soft_wrap=True)
     return 0
+
+
+def fix(model, data, policy: str, margin: float, out: str) -> str:
+    """Converts `model` (its float32 form) under `policy`, calibrated on `data`; saves to `out`.
+
+    Returns:
+        The plan and where it was written, as text.
+    """
+    import keras_mp as kmp
+
+    fp32 = model
+    if any(x.compute_dtype != "float32" for x in model._flatten_layers(include_self=False)):
+        fp32 = kmp.convert(model, "float32")  # calibration measures float32 values
+    fixed = kmp.convert(fp32, policy, calibrate=data, margin=margin)
+    fixed.save(out)
+    return f"{fixed.precision_plan}\nwrote {out}"

@@ -148,6 +148,24 @@ def _audit_arguments(a: argparse.ArgumentParser) -> None:
         default=None,
         help="loss scale for the gradient-underflow column",
     )
+    a.add_argument(
+        "--fix",
+        metavar="OUT",
+        help="write MODEL converted under --policy, calibrated on --data, to OUT (.keras)",
+    )
+    a.add_argument(
+        "--policy",
+        choices=("mixed_float16", "mixed_bfloat16"),
+        default="mixed_float16",
+        help="policy of --fix (default: %(default)s)",
+    )
+    a.add_argument(
+        "--margin",
+        type=_positive(float),
+        default=4.0,
+        help="calibration's safety factor: pin what passes the dtype's max / margin "
+        "(default: %(default)g)",
+    )
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -156,6 +174,13 @@ def _check_audit(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"no such model file: {args.model!r}")
     if args.data is not None and not os.path.isfile(args.data):
         raise FileNotFoundError(f"--data: no such file: {args.data!r}")
+    if args.fix is not None:
+        if args.data is None:
+            raise CLIError("--fix calibrates on your data: give it with --data FILE.npz")
+        if not args.fix.endswith(".keras"):
+            raise CLIError(f"--fix: {args.fix!r} must end in .keras")
+        if args.margin < 1:
+            raise CLIError(f"--margin must be >= 1, got {args.margin:g}")
 
 
 def _bench_arguments(b: argparse.ArgumentParser) -> None:
@@ -189,7 +214,9 @@ COMMANDS = (
         name="audit",
         module="keras_mp.cli.audit",
         help="audit a saved model for mixed precision",
-        description="Load MODEL (.keras) and print kmp.audit's per-layer report and its verdict.",
+        description="Load MODEL (.keras) and print kmp.audit's per-layer report and its verdict. "
+        "With --fix OUT and --data, also write the model converted under --policy with the "
+        "layers that overflow the compute dtype on that data pinned to float32.",
         arguments=_audit_arguments,
         check=_check_audit,
     ),
