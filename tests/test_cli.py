@@ -199,6 +199,23 @@ def _saved_model(tmp_path):
     return path, npz
 
 
+@pytest.mark.tf_only  # float16 on JAX's CPU: no dot
+def test_compare_t5_shows_the_float16_overflow_and_the_calibrated_fix(tmp_path, capsys):
+    results, _ = _compare(tmp_path, "--model", "t5")
+    rows = {r["policy"]: r for r in results["rows"]}
+    assert list(rows) == ["float32", "mixed_float16", "mixed_float16_calibrated",
+                          "mixed_bfloat16"]
+    plain, fixed = rows["mixed_float16"], rows["mixed_float16_calibrated"]
+    assert plain["skipped_steps"] == 4 and not math.isfinite(plain["val_loss"])  # every step
+    assert plain["verdict"] == "diverged"
+    assert fixed["skipped_steps"] == 0 and math.isfinite(fixed["val_loss"])
+    assert fixed["fp32_pins"] == ["enc1_wo", "enc1_ffn_res", "enc_final_norm"]
+    assert 0 < fixed["fp32_flops"] < 0.2
+    assert abs(fixed["val_loss"] - rows["float32"]["val_loss"]) < 0.01
+    printed = capsys.readouterr().out
+    assert "mixed float16, calibrated" in printed and "pinned 3 layer(s)" in printed
+
+
 def test_audit_prints_the_report(tmp_path, capsys):
     path, npz = _saved_model(tmp_path)
     assert main(["audit", str(path), "--data", str(npz)]) == 0
@@ -426,7 +443,7 @@ def test_installed_script_reports_errors_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "keras-mp compare: error: --policies: unknown policy 'fp8'; choose from float32, "
-        "mixed_float16, mixed_bfloat16, float16, bfloat16."
+        "mixed_float16, mixed_bfloat16, float16, bfloat16, mixed_float16_calibrated."
     ], proc.stderr
     assert proc.stdout == ""
 

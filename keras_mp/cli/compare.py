@@ -33,7 +33,7 @@ from keras_mp import callbacks as kmp_callbacks
 from keras_mp import losses as kmp_losses
 from keras_mp.cli.data import Dataset, build_model, load_dataset
 from keras_mp.cli.records import EpochRecorder, peak_memory, reset_peak_memory
-from keras_mp.cli.settings import DEFAULT_POLICIES, CompareConfig
+from keras_mp.cli.settings import CALIBRATED, DEFAULT_POLICIES, CompareConfig
 
 __all__ = [
     "DEFAULT_POLICIES",
@@ -50,7 +50,10 @@ LABELS = {
     "mixed_bfloat16": "mixed bfloat16",
     "float16": "pure float16",
     "bfloat16": "pure bfloat16",
+    CALIBRATED: "mixed float16, calibrated",
 }
+# Batches of the training set the calibrated mode measures (kmp.convert(..., calibrate=)).
+CALIBRATION_SAMPLES = 256
 
 THRESHOLDS = {
     # |val acc - FP32 val acc| at most this: "matches FP32" (0.01 = 4 of 397 digits).
@@ -80,7 +83,7 @@ def _policy(name: str) -> kmp.Policy:
     with _pure_modes_expected():
         if name in ("float16", "bfloat16"):
             return kmp.Policy(name, keep_fp32=())
-        return kmp.Policy(name)
+        return kmp.Policy("mixed_float16" if name == CALIBRATED else name)
 
 
 def _jit(policy: str, jit: str) -> tuple[Any, str]:
@@ -107,7 +110,7 @@ def run_policy(
     """Trains a copy of `base` under `policy` and returns its results row.
 
     Args:
-        policy: a name from `DEFAULT_POLICIES`.
+        policy: a name from `keras_mp.cli.settings.POLICIES`.
         base: the float32 model every mode starts from (not modified).
         data: the `Dataset`.
         cfg: the `CompareConfig`.
@@ -119,10 +122,11 @@ def run_policy(
     """
     steps_per_epoch = math.ceil(len(data.x_train) / cfg.batch_size)
     keras.utils.set_random_seed(cfg.seed)  # same batch order in every mode
+    calibrate = data.x_train[:CALIBRATION_SAMPLES] if policy == CALIBRATED else None
     with _pure_modes_expected():
-        model = kmp.convert(base, _policy(policy))
+        model = kmp.convert(base, _policy(policy), calibrate=calibrate)
     opt = _optimizer(cfg, cfg.epochs * steps_per_epoch)
-    if policy == "mixed_float16":
+    if policy in ("mixed_float16", CALIBRATED):
         opt = kmp.LossScaleOptimizer(opt)
     jit_compile, compile_label = _jit(policy, cfg.jit)
     model.compile(
@@ -174,7 +178,11 @@ def run_policy(
         "skipped_steps": None,
         "final_loss_scale": None,
         "history": {k: [e[k] for e in epochs] for k in epochs[0]},
+        "fp32_pins": [p.path for p in model.precision_plan.pins],
     }
+    cal = model.precision_plan.calibration
+    if cal is not None:
+        row["fp32_flops"] = cal.fp32_flops
     if monitor is not None:
         row["skipped_steps"] = int(keras.ops.convert_to_numpy(opt.skipped_steps.value))
         row["final_loss_scale"] = float(keras.ops.convert_to_numpy(opt.dynamic_scale.value))

@@ -100,7 +100,7 @@ def make_sequences(
 
 def load_dataset(model: str, seed: int = 0, limit: int | None = None) -> Dataset:
     """The data set a model kind trains on: digits for `cnn`/`mlp`, sequences otherwise."""
-    if model == "transformer":
+    if model in ("transformer", "t5"):
         return make_sequences(seed=seed, limit=limit)
     return load_digits(seed=seed, limit=limit)
 
@@ -148,6 +148,11 @@ def build_model(kind: str, data: Dataset, seed: int = 0) -> keras.Model:
 
     if kind not in MODELS:
         raise ValueError(f"model: unknown kind {kind!r}; choose from {', '.join(MODELS)}.")
+    if kind == "t5":
+        from keras_mp.cli.overflow import t5_encoder
+
+        x = np.concatenate([data.x_train, data.x_val])  # the vocabulary of both splits
+        return t5_encoder(x, data.num_classes, seed=seed)
     keras.utils.set_random_seed(seed)
     inputs = keras.Input(data.x_train.shape[1:], name="inputs")
     if kind == "cnn":

@@ -72,15 +72,22 @@ def _policies(text: str) -> tuple:
 
 
 def _compare_arguments(c: argparse.ArgumentParser) -> None:
-    from keras_mp.cli.settings import DEFAULT_POLICIES, MODELS, CompareConfig
+    from keras_mp.cli.settings import (
+        DEFAULT_POLICIES,
+        MODELS,
+        POLICIES,
+        T5_POLICIES,
+        CompareConfig,
+    )
 
     d = CompareConfig()
     c.add_argument("--model", choices=MODELS, default=d.model, help="model (default: %(default)s)")
     c.add_argument(
         "--policies",
         type=_policies,
-        default=d.policies,
-        help=f"comma-separated modes (default: {','.join(DEFAULT_POLICIES)})",
+        default=None,
+        help=f"comma-separated modes, from {','.join(POLICIES)} (default: "
+        f"{','.join(DEFAULT_POLICIES)}; with --model t5: {','.join(T5_POLICIES)})",
     )
     c.add_argument("--epochs", type=_positive(int), default=d.epochs, help="(default: %(default)s)")
     c.add_argument(

@@ -188,6 +188,10 @@ def write_plot(results: dict, path: str) -> str:
     return path
 
 
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def notes(rows: list[dict], cfg) -> list[str]:
     """Plain-language explanations of the pure-mode rows, from the measured values.
 
@@ -205,6 +209,25 @@ def notes(rows: list[dict], cfg) -> list[str]:
     for r in rows:
         if r.get("error"):
             out.append(f"{r['label']} failed: {r['error']}")
+            continue
+        if r["policy"] == "mixed_float16_calibrated":
+            share = r.get("fp32_flops")
+            cost = "" if share is None else f" ({100 * share:.1f}% of the matmul FLOPs)"
+            out.append(
+                f"{r['label']}: kmp.convert(model, 'mixed_float16', calibrate=training "
+                f"batches) pinned {len(r['fp32_pins'])} layer(s) to float32{cost}: "
+                f"{', '.join(r['fp32_pins'][:6])}{' ...' if len(r['fp32_pins']) > 6 else ''}."
+            )
+            continue
+        if r["policy"] == "mixed_float16" and r.get("skipped_steps") and not _finite(
+            r.get("val_loss")
+        ):
+            out.append(
+                f"{r['label']}: activations pass float16's 65,504 (inf in the forward pass): "
+                f"every step skipped ({r['skipped_steps']}); the loss scale cannot help. "
+                "`keras-mp audit MODEL --data BATCH.npz` names the layers, "
+                "`kmp.convert(..., calibrate=data)` pins them."
+            )
             continue
         if r["policy"] not in ("float16", "bfloat16"):
             continue

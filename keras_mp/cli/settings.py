@@ -10,17 +10,27 @@ import dataclasses
 import math
 
 __all__ = [
+    "CALIBRATED",
     "DEFAULT_POLICIES",
     "JIT_MODES",
     "MODELS",
     "OPTIMIZERS",
+    "POLICIES",
     "SCHEDULES",
+    "T5_POLICIES",
     "CompareConfig",
     "config_from_args",
 ]
 
-MODELS = ("cnn", "transformer", "mlp")
+MODELS = ("cnn", "transformer", "mlp", "t5")
 DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
+# Mixed float16 with the keep-list calibrated on the training data (kmp.convert(...,
+# calibrate=...)): the fix for activations past float16's range.
+CALIBRATED = "mixed_float16_calibrated"
+POLICIES = DEFAULT_POLICIES + (CALIBRATED,)
+# --model t5 (a T5-style encoder whose feed-forward output passes 65,504, as a trained T5's
+# does) shows the overflow and its fix side by side.
+T5_POLICIES = ("float32", "mixed_float16", CALIBRATED, "mixed_bfloat16")
 OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("cosine", "constant")
 JIT_MODES = ("auto", "on", "off")
@@ -31,8 +41,10 @@ class CompareConfig:
     """Settings of one comparison (the `keras-mp compare` options).
 
     Args:
-        model: `"cnn"` (digits), `"mlp"` (digits) or `"transformer"` (generated sequences).
-        policies: precision modes, from `DEFAULT_POLICIES`.
+        model: `"cnn"` (digits), `"mlp"` (digits), `"transformer"` (generated sequences) or
+            `"t5"` (the same sequences, a T5-style encoder whose activations pass 65,504).
+        policies: precision modes, from `POLICIES`; `None`: `T5_POLICIES` for `"t5"`,
+            `DEFAULT_POLICIES` otherwise.
         epochs: training epochs per mode.
         batch_size: batch size.
         lr: peak learning rate.
@@ -44,7 +56,7 @@ class CompareConfig:
     """
 
     model: str = "cnn"
-    policies: tuple = DEFAULT_POLICIES
+    policies: tuple | None = None
     epochs: int = 20
     batch_size: int = 32
     lr: float = 3e-4
@@ -66,13 +78,15 @@ class CompareConfig:
         choose("optimizer", OPTIMIZERS)
         choose("schedule", SCHEDULES)
         choose("jit", JIT_MODES)
+        if self.policies is None:
+            self.policies = T5_POLICIES if self.model == "t5" else DEFAULT_POLICIES
         self.policies = tuple(self.policies)
         if not self.policies:
             raise ValueError("--policies: give at least one policy.")
         for p in self.policies:
-            if p not in DEFAULT_POLICIES:
+            if p not in POLICIES:
                 raise ValueError(
-                    f"--policies: unknown policy {p!r}; choose from {', '.join(DEFAULT_POLICIES)}."
+                    f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)}."
                 )
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policies: a policy is repeated in {','.join(self.policies)}.")
