@@ -40,6 +40,7 @@ __all__ = [
     "CollapseGuard",
     "LossScaleCollapseError",
     "LossScaleMonitor",
+    "recalibration_hint",
     "NonFiniteGuard",
 ]
 
@@ -168,6 +169,45 @@ _COLLAPSE_HINT = (
     "`kmp.audit(model, (x, y))`), pin them to float32 (`kmp.layers.Float32`), or train with "
     "'mixed_bfloat16'."
 )
+def recalibration_hint(model, data, margin: float = 4.0) -> str:
+    """What calibrating on `data` would pin beyond the model's current float32 layers.
+
+    The model's float32 form is measured on `data` (a copy: `kmp.convert(model,
+    "float32")`); layers that pass float16's max / margin and run low now are named.
+
+    Returns:
+        A sentence, or "" when the model does not compute in float16 or nothing new is found.
+    """
+    from keras_mp.calibrate import measure, range_pins
+    from keras_mp.convert import convert
+
+    layers = [x for x in model._flatten_layers(include_self=False)]
+    if not any(x.compute_dtype == "float16" for x in layers):
+        return ""
+    try:
+        pins = range_pins(measure(convert(model, "float32"), data), "float16", margin)
+    except Exception:  # noqa: BLE001 - a diagnosis must not fail the run
+        return ""
+    low = {a for a, x in _addresses(model).items() if x.compute_dtype == "float16"}
+    new = [f"{a!r} ({reason.split(': ', 1)[-1]})" for a, reason in pins.items() if a in low]
+    if not new:
+        return ""
+    return (
+        f"On these batches, {len(new)} layer(s) running in float16 pass its range in float32: "
+        f"{', '.join(new[:4])}{' ...' if len(new) > 4 else ''}. Convert the float32 model "
+        "again with these batches among the calibration data: "
+        "kmp.convert(model, 'mixed_float16', calibrate=[..., batch])."
+    )
+
+
+def _addresses(model) -> dict:
+    from keras_mp._tree import addresses, layer_tree
+
+    layers, _ = layer_tree(model)
+    where = addresses(model)
+    return {where[id(x)]: x for x in layers}
+
+
 _FIX_HINT = (
     "Loss scaling cannot fix non-finite values produced in the forward pass or by the loss: "
     "run `kmp.audit(model, (x, y))` to find activations above the float16 maximum, pin those "
@@ -411,6 +451,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
             )
         else:
             self.culprit, where = first_nonfinite_layer(model, self.diagnose_data)
+            where = f"{where} {recalibration_hint(model, self.diagnose_data)}".rstrip()
         self.diagnosis = f"Non-finite loss at step {self._steps}: {why}. {where} {_FIX_HINT}"
         if self.action == "raise":
             raise FloatingPointError(self.diagnosis)

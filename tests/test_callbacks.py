@@ -149,6 +149,10 @@ def test_nonfinite_guard_names_the_layer_above_fp16_max():
     assert "'big' (Dense, compute dtype float16) — its float16 output exceeded 65504" in (
         guard.diagnosis
     )
+    # ... and what calibrating on that batch would pin (measured on a float32 copy).
+    assert "1 layer(s) running in float16 pass its range in float32: 'big' (max |output| = " \
+        "128,000 > 16,376)" in guard.diagnosis
+    assert "calibrate=[..., batch]" in guard.diagnosis
     # Both steps were skipped by the scaler: no weight moved, the scale backed off twice.
     assert int(opt.iterations.numpy()) == 0 and int(opt.skipped_steps.numpy()) == 2
     assert float(opt.dynamic_scale.numpy()) == 2.0**14
