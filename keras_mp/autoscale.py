@@ -43,8 +43,7 @@ def _keras_mp_policy_in_sight(model) -> bool:
 
     if isinstance(model.dtype_policy, (keras.dtype_policies.DTypePolicyMap, policies.Policy)):
         return True
-    remembered = policies._global["policy"]
-    return remembered is not None and keras.config.dtype_policy().name == remembered.base.name
+    return policies.remembered_policy() is not None
 
 
 def wants_keras_mp_scaler(model: keras.Model) -> bool:

@@ -23,7 +23,7 @@ from keras_mp import calibrate as calibration
 from keras_mp import keep_list
 from keras_mp._probe import trace
 from keras_mp.model_copy import copy_model, pair_layers, recast_variables
-from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, _as_policy, policy_map
+from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
 
 __all__ = ["apply_plan", "convert", "plan"]
 
@@ -60,7 +60,7 @@ def plan(
     ```
     """
     _check_model(model)
-    policy = _as_policy(policy)
+    policy = as_policy(policy)
     if calibrate is None:
         return keep_list.plan(model, policy)
     return _calibrated(model, policy, calibrate, margin, max_batches)[0]
@@ -229,7 +229,7 @@ def convert(
         if calibrate is not None:
             raise ValueError("convert: pass `calibrate` to kmp.plan, or a policy, not a plan.")
         return _converted(model, policy)
-    policy = _as_policy(policy)
+    policy = as_policy(policy)
     _warn_unmatched(model, policy)
     if calibrate is None:
         return _converted(model, keep_list.plan(model, policy))

@@ -41,6 +41,7 @@ __all__ = [
     "Float8Recipe",
     "Float8SoftmaxMultiHeadAttention",
     "apply_float8",
+    "as_recipe",
     "compute_scale",
     "float8_layers",
     "float8_speedup_expected",
@@ -118,7 +119,8 @@ class Float8Recipe:
         return cls(**config)
 
 
-def _recipe(recipe) -> Float8Recipe:
+def as_recipe(recipe) -> Float8Recipe:
+    """`recipe` as a `Float8Recipe`: None gives the default, a dict its config."""
     if recipe is None:
         return Float8Recipe()
     if isinstance(recipe, dict):
@@ -151,7 +153,7 @@ def compute_scale(amax_history, recipe: Float8Recipe | None = None,
     >>> float(compute_scale(np.array([2.0, 7.0, 0.0]), Float8Recipe(margin=1)))  # 448 / 7 / 2
     32.0
     """
-    recipe = _recipe(recipe)
+    recipe = as_recipe(recipe)
     if fp8_dtype not in _FP8_DTYPES:
         raise ValueError(f"compute_scale: invalid `fp8_dtype`={fp8_dtype!r}. Valid: {_FP8_DTYPES}.")
     new, ok = _scale(amax_history, recipe, fp8_dtype)
@@ -181,7 +183,7 @@ class Float8DTypePolicy(QuantizedFloat8DTypePolicy):
     """
 
     def __init__(self, recipe: Float8Recipe | dict | None = None, source_name: str | None = None):
-        self.recipe = _recipe(recipe)
+        self.recipe = as_recipe(recipe)
         super().__init__("float8", source_name, self.recipe.amax_history_len)
 
     def __eq__(self, other):
@@ -315,7 +317,7 @@ class _Float8AttentionMixin:
 
     def __init__(self, *args, float8_recipe=None, float8_projections=(), **kwargs):
         super().__init__(*args, **kwargs)
-        self.float8_recipe = _recipe(float8_recipe)
+        self.float8_recipe = as_recipe(float8_recipe)
         self.float8_projections = tuple(float8_projections)
 
     def build(self, *args, **kwargs):
@@ -396,7 +398,7 @@ def apply_float8(model: keras.Model, recipe: Float8Recipe | None = None,
                             exclude=lambda layer: layer.name.startswith("head"))
     ```
     """
-    recipe = _recipe(recipe)
+    recipe = as_recipe(recipe)
     if not isinstance(model, keras.Model) or not model.built:
         raise ValueError(f"apply_float8 takes a built keras.Model. Received: {model!r}")
     if exclude is not None and not callable(exclude):

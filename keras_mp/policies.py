@@ -21,11 +21,13 @@ __all__ = [
     "DEFAULT_KEEP_FP32",
     "VALID_NAMES",
     "Policy",
+    "as_policy",
     "global_policy",
+    "remembered_policy",
     "set_global_policy",
 ]
 
-# name -> (compute dtype, variable dtype). "float8" is reserved for issue 7 (FP8 training).
+# name -> (compute dtype, variable dtype).
 _POLICIES = {
     "float32": ("float32", "float32"),
     "mixed_float16": ("float16", "float32"),
@@ -126,9 +128,9 @@ class Policy(keras.DTypePolicy):
         super().__init__(name)
         self.float8_recipe = None
         if name == "float8":
-            from keras_mp.float8 import _recipe
+            from keras_mp.float8 import as_recipe
 
-            self.float8_recipe = _recipe(float8_recipe)
+            self.float8_recipe = as_recipe(float8_recipe)
         elif float8_recipe is not None:
             raise ValueError(
                 f"`float8_recipe` applies only to the 'float8' policy, not {name!r}."
@@ -251,7 +253,9 @@ class Policy(keras.DTypePolicy):
         return f'<Policy "{self.name}" keep_fp32={list(self.get_config()["keep_fp32"])}>'
 
 
-def _as_policy(policy: Any) -> Policy:
+def as_policy(policy: Any) -> Policy:
+    """`policy` as a `Policy`: a `Policy` as it is, a policy name or a plain
+    `keras.DTypePolicy` as the `Policy` of that name (default keep-list)."""
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, keras.DTypePolicy) and policy.quantization_mode is None:
@@ -286,9 +290,18 @@ def set_global_policy(policy: str | Policy) -> None:
     keras.layers.Dense(4).compute_dtype   # 'bfloat16'
     ```
     """
-    policy = _as_policy(policy)
+    policy = as_policy(policy)
     keras.config.set_dtype_policy(policy.base)
     _global["policy"] = policy
+
+
+def remembered_policy() -> Policy | None:
+    """The `Policy` given to `set_global_policy` while Keras' global policy still has its
+    name, else None (no keras_mp policy in effect)."""
+    remembered = _global["policy"]
+    if remembered is not None and keras.config.dtype_policy().name == remembered.base.name:
+        return remembered
+    return None
 
 
 def global_policy() -> Policy:

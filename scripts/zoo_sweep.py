@@ -51,7 +51,7 @@ def sweep(args) -> int:
                 continue
             start = time.perf_counter()
             try:
-                row = convert_stages.run(entry, policy)
+                row = convert_stages.run(entry, policy, jit=backend == "tensorflow")
             except Exception as e:  # noqa: BLE001 - the float32 build itself failed
                 row = {"entry": entry.name, "policy": policy, "build": str(e)[:240]}
             failed = [s for s in convert_stages.STAGES if row.get(s) not in (None, "ok", "-")]

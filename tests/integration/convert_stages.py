@@ -7,8 +7,8 @@
 2. `forward`: the converted model's outputs within `TOLERANCE[policy]` of the float32
    model's, as max |difference| / max |float32 output| over every floating output.
 3. `fit`: three steps with `kmp.LossScaleOptimizer` under mixed_float16 (Adam otherwise),
-   the entry's loss (`kmp.losses.SparseCategoricalCrossentropy` for logits), XLA on
-   TensorFlow: every loss finite.
+   the entry's loss (`kmp.losses.SparseCategoricalCrossentropy` for logits), XLA as `jit`
+   says (the sweep: always on TensorFlow): every loss finite.
 4. `save`: `.keras` save and `keras.saving.load_model`: same weights, same compute dtype for
    every layer, same outputs.
 5. `audit`: `kmp.audit(converted, (x, y))` runs, probes every layer and gives a verdict.
@@ -77,6 +77,12 @@ def _weights(model) -> dict:
     return {v.path: np.asarray(keras.ops.convert_to_numpy(v.value)) for v in model.weights}
 
 
+def _layers(model) -> dict:
+    where = kmp.keep_list.addresses(model)
+    layers, _ = kmp.keep_list.layer_tree(model)
+    return {where[id(x)]: x for x in layers}
+
+
 def _compute_dtypes(model, paths_only: bool = False) -> dict:
     """Compute dtype per layer address (per path only: path-less layers get auto-names,
     which a loaded model numbers anew)."""
@@ -98,8 +104,7 @@ def _optimizer(policy):
     return kmp.LossScaleOptimizer(inner) if policy == "mixed_float16" else inner
 
 
-def _fit(model, entry, policy, optimizer, loss) -> list:
-    jit = keras.backend.backend() == "tensorflow"
+def _fit(model, entry, policy, optimizer, loss, jit) -> list:
     model.compile(optimizer=optimizer, loss=loss, jit_compile=jit)
     x, y = entry.fit_data(model, BATCH)
     losses = []
@@ -109,8 +114,11 @@ def _fit(model, entry, policy, optimizer, loss) -> list:
     return losses
 
 
-def run(entry, policy: str, stages=STAGES) -> dict:
+def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
     """Builds `entry` in float32 and runs the conversion stages under `policy`.
+
+    `jit`: `jit_compile` of the fit stage; None: XLA on TensorFlow for mixed_float16 (which
+    TensorFlow runs ~25x slower on a CPU without it), Keras' default otherwise.
 
     Returns:
         `{"entry", "policy", "seconds", "error": {stage: detail}, stage: "ok" | ...}`;
@@ -131,6 +139,7 @@ def run(entry, policy: str, stages=STAGES) -> dict:
         if failed:
             result[name] = "-"
             return None
+        began = time.perf_counter()
         try:
             value = fn()
         except Exception as e:  # noqa: BLE001 - reported per stage
@@ -138,6 +147,7 @@ def run(entry, policy: str, stages=STAGES) -> dict:
             failed = True
             return None
         result[name] = "ok"
+        result.setdefault("stage_seconds", {})[name] = round(time.perf_counter() - began, 1)
         return value
 
     reference = model.predict_on_batch(x)
@@ -155,8 +165,10 @@ def run(entry, policy: str, stages=STAGES) -> dict:
             assert np.array_equal(a, b), "master weights not bit-identical"
         low = kmp.Policy(policy).compute_dtype
         dtypes = _compute_dtypes(converted)
-        wrong = [a for a, d in dtypes.items()
-                 if d != ("float32" if a in converted.precision_plan.float32 else low)]
+        containers = {a for a, x in _layers(converted).items()
+                      if kmp.keep_list.serializes_its_layers(x)}  # compute nothing themselves
+        wrong = [a for a, d in dtypes.items() if a not in containers
+                 and d != ("float32" if a in converted.precision_plan.float32 else low)]
         assert not wrong, f"layers not as planned: {wrong[:3]}"
         result["pins"] = [p.path for p in converted.precision_plan.pins]
         return converted
@@ -176,7 +188,11 @@ def run(entry, policy: str, stages=STAGES) -> dict:
     stage("forward", do_forward)
 
     def do_fit():
-        losses = _fit(converted, entry, policy, _optimizer(policy), _loss(entry))
+        use_jit = jit
+        if use_jit is None:
+            use_jit = keras.backend.backend() == "tensorflow" and policy == "mixed_float16"
+        result["jit"] = use_jit
+        losses = _fit(converted, entry, policy, _optimizer(policy), _loss(entry), use_jit)
         result["losses"] = losses
         assert np.all(np.isfinite(losses)), f"non-finite losses {losses}"
 
