@@ -206,8 +206,7 @@ def _per_variable_finite(grads) -> Any:
         flags = [ops.all(ops.isfinite(_values(g))) if g is not None else None for g in grads]
         return ops.stack([ops.ones((), "bool") if f is None else f for f in flags])
     # XLA: gradients of one shape are checked by one reduction over their stack (XLA fuses
-    # the stack into it, nothing is copied), not one kernel each: 8 layers' worth of same-
-    # shaped weights cost one launch, not eight (BENCHMARKS.md section 9).
+    # the stack into it, nothing is copied), not one kernel each (BENCHMARKS.md section 9).
     flags = [ops.ones((), "bool")] * len(grads)
     groups: dict = {}
     for i, g in enumerate(grads):
@@ -412,10 +411,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
 
             # A skipped step keeps every weight and slot: a select, not a branch. XLA fuses
-            # the select into the update's kernels, while a conditional whose skip branch
-            # passes the state through costs, on XLA:GPU, a copy of every weight and slot
-            # per step and keeps the unscaling out of the update's kernels
-            # (BENCHMARKS.md section 9).
+            # the select into the update's kernels; a conditional passing the state through
+            # would copy every weight and slot per step on XLA:GPU.
             def keep_if_skipped(applied, before):
                 return [ops.where(finite, a, b) for a, b in zip(applied, before)]
 
