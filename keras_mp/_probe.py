@@ -21,6 +21,7 @@ from keras_mp import keep_list
 
 __all__ = [
     "LayerTrace",
+    "activation_gradients",
     "first_nonfinite_layer",
     "gradients",
     "matmul_flops",
@@ -167,6 +168,111 @@ def trace(model: keras.Model, x, training: bool = False) -> list:
         for layer in wrapped:
             object.__delattr__(layer, "call")
     return sorted(records.values(), key=lambda r: r.end)
+
+
+def _main_output(outputs):
+    """The tensor `activation_gradients` perturbs: the output, or a tuple's first element."""
+    main = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else outputs
+    dtype = getattr(main, "dtype", None)
+    if dtype is None or not keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype)):
+        return None
+    return main
+
+
+def _with_main_output(outputs, main):
+    if isinstance(outputs, (tuple, list)) and outputs:
+        return type(outputs)([main, *outputs[1:]])
+    return main
+
+
+def _hooked(model, make_hook, run):
+    """Runs `run()` with every layer's `call` wrapped by `make_hook(layer, call)`."""
+    layers, _ = keep_list.layer_tree(model)
+    wrapped = []
+    try:
+        for layer in layers:
+            if isinstance(layer, keras.layers.InputLayer) or "call" in vars(layer):
+                continue
+            object.__setattr__(layer, "call", make_hook(layer, layer.call))
+            wrapped.append(layer)
+        return run()
+    finally:
+        for layer in wrapped:
+            object.__delattr__(layer, "call")
+
+
+def activation_gradients(model: keras.Model, x, y, loss_fn) -> dict:
+    """The largest |d loss / d output| of every layer's main output, at loss scale 1.
+
+    Each layer call's main output gets a zero tensor added; the loss is differentiated with
+    respect to those zeros (the backend's autodiff: TensorFlow's tape, `jax.grad`).
+
+    Args:
+        model: A built model.
+        x, y: One batch.
+        loss_fn: `(x, y, y_pred) -> scalar loss`.
+
+    Returns:
+        `{address: largest |gradient|}`; empty on a backend without support here (torch).
+    """
+    where = keep_list.addresses(model)
+    calls: list = []  # (address, shape, dtype) of each call's main output, in call order
+
+    def record(layer, call):
+        def hooked(*args, **kwargs):
+            outputs = call(*args, **kwargs)
+            main = _main_output(outputs)
+            if main is not None and _peak([main]) is not None:
+                calls.append((where[id(layer)], tuple(main.shape), main.dtype))
+            return outputs
+
+        return hooked
+
+    _hooked(model, record, lambda: model(x, training=False))
+
+    def loss_with(eps):
+        def run():
+            return keras.ops.cast(loss_fn(x, y, model(x, training=False)), "float32")
+
+        return _hooked(model, _adder(eps, [0]), run)
+
+    zeros = [np.zeros(shape, "float32") for _, shape, _ in calls]
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        eps = [tf.constant(z) for z in zeros]
+        with tf.GradientTape() as tape:
+            tape.watch(eps)
+            loss = loss_with(eps)
+        grads = tape.gradient(loss, eps)
+    elif backend == "jax":
+        import jax
+
+        grads = jax.grad(loss_with)([jax.numpy.asarray(z) for z in zeros])
+    else:
+        return {}
+    result: dict = {}
+    for (address, _, _), g in zip(calls, grads, strict=False):
+        if g is not None:
+            result[address] = max(result.get(address, 0.0), max_abs([to_numpy(g)]))
+    return result
+
+
+def _adder(eps, index):
+    def make(layer, call):
+        def hooked(*args, **kwargs):
+            outputs = call(*args, **kwargs)
+            main = _main_output(outputs)
+            if main is None or index[0] >= len(eps):
+                return outputs
+            bump = keras.ops.cast(eps[index[0]], main.dtype)
+            index[0] += 1
+            return _with_main_output(outputs, main + bump)
+
+        return hooked
+
+    return make
 
 
 def matmul_flops(record: LayerTrace) -> float:

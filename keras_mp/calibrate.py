@@ -5,6 +5,9 @@
 layers and sublayers of blocks included, and each layer's matmul FLOPs. `range_pins` turns
 that into pins: a layer is pinned when a tensor it receives or produces exceeds the compute
 dtype's largest finite value divided by `margin` (65504 / 4 = 16376 for float16 by default).
+With a loss (given, or the compiled one) and targets, the gradient range of every layer's
+output is measured too (at loss scale 1: the dynamic scaler lowers the scale until the
+scaled gradients fit, so only a gradient past the limit at scale 1 needs a pin).
 A residual stream is no layer's output, but every layer downstream receives it: the blocks
 it flows through and the norm that finally tames it are pinned, and the pinned outputs stay
 in float32 from one pinned layer to the next. Under bfloat16 (float32's range) nothing is
@@ -25,7 +28,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_mp._probe import matmul_flops, trace, unpack
+from keras_mp._probe import activation_gradients, matmul_flops, trace, unpack
 
 __all__ = [
     "Calibration",
@@ -34,6 +37,7 @@ __all__ = [
     "check_margin",
     "flop_shares",
     "limit",
+    "loss_function",
     "measure",
     "range_pins",
 ]
@@ -88,6 +92,7 @@ class LayerRange:
         output_max: largest |value| it produced.
         flops: its own matmul/convolution FLOPs on one batch (see `_probe.matmul_flops`).
         low_output_max: largest |output| in the converted model (None: not checked).
+        grad_max: largest |d loss / d output| at loss scale 1 (None: no loss given).
     """
 
     path: str
@@ -96,6 +101,7 @@ class LayerRange:
     output_max: float = 0.0
     flops: float = 0.0
     low_output_max: float | None = None
+    grad_max: float | None = None
 
 
 @dataclasses.dataclass
@@ -148,19 +154,36 @@ class Calibration:
         return lines
 
 
-def measure(model: keras.Model, data: Any, max_batches: int = _MAX_BATCHES) -> dict:
+def loss_function(model: keras.Model, loss: Any):
+    """`(x, y, y_pred) -> loss` from a Keras loss (object, name or function), or the
+    compiled loss when `loss` is None; None when there is neither."""
+    if loss is not None:
+        fn = keras.losses.get(loss)
+        return lambda x, y, y_pred: keras.ops.mean(fn(y, y_pred))
+    if getattr(model, "compiled", False) and getattr(model, "loss", None) is not None:
+        return lambda x, y, y_pred: model.compute_loss(x, y, y_pred, training=False)
+    return None
+
+
+def measure(
+    model: keras.Model, data: Any, max_batches: int = _MAX_BATCHES, loss: Any = None
+) -> dict:
     """Per layer address, the largest |input| and |output| over the batches, and FLOPs.
 
     Args:
         model: A built model (run as it is: measure the float32 model).
         data: Batches, as for `batches`.
         max_batches: At most this many batches are used.
+        loss: A Keras loss: with targets in the batches, also the gradient range (the
+            largest |d loss / d output| of each layer, at loss scale 1). Default: the
+            compiled loss, if any.
 
     Returns:
         `{address: LayerRange}`.
     """
     ranges: dict = {}
-    for x, _ in batches(data, max_batches):
+    loss_fn = loss_function(model, loss)
+    for x, y in batches(data, max_batches):
         for rec in trace(model, x):
             r = ranges.get(rec.address)
             if r is None:
@@ -168,6 +191,11 @@ def measure(model: keras.Model, data: Any, max_batches: int = _MAX_BATCHES) -> d
                 r.flops = matmul_flops(rec) * rec.calls
             r.input_max = max(r.input_max, rec.input_max)
             r.output_max = max(r.output_max, rec.output_max)
+        if loss_fn is not None and y is not None:
+            for address, g in activation_gradients(model, x, y, loss_fn).items():
+                if address in ranges:
+                    r = ranges[address]
+                    r.grad_max = g if r.grad_max is None else max(r.grad_max, g)
     return ranges
 
 
@@ -185,8 +213,10 @@ def range_pins(ranges: dict, compute_dtype: str, margin: float) -> dict:
     bound = limit(compute_dtype, margin)
     pins = {}
     for path, r in ranges.items():
-        side, value = ("output", r.output_max) if r.output_max >= r.input_max else (
-            "input", r.input_max)
+        side, value = max(
+            ("output", r.output_max), ("input", r.input_max), ("gradient", r.grad_max or 0.0),
+            key=lambda pair: pair[1],
+        )
         if bound < value < math.inf:  # inf: broken in float32 already, pinning cannot help
             pins[path] = f"calibration: max |{side}| = {value:,.0f} > {bound:,.0f}"
     return pins

@@ -35,6 +35,7 @@ def plan(
     calibrate: Any = None,
     margin: float = calibration.DEFAULT_MARGIN,
     max_batches: int = 8,
+    loss: Any = None,
 ) -> keep_list.Plan:
     """Which layers of `model` would run in float32 under `policy`, and why.
 
@@ -48,6 +49,8 @@ def plan(
         margin: Calibration's safety factor: a layer is pinned when a tensor it receives
             or produces exceeds the dtype's largest value / `margin` (float16: 65504 / 4).
         max_batches: At most this many batches of `calibrate` are used.
+        loss: With targets in `calibrate`, the gradient range is measured too (default:
+            the compiled loss, if any).
 
     Returns:
         A `keras_mp.keep_list.Plan`: `print` it, or `to_dict()`; its `calibration` holds
@@ -63,7 +66,7 @@ def plan(
     policy = as_policy(policy)
     if calibrate is None:
         return keep_list.plan(model, policy)
-    return _calibrated(model, policy, calibrate, margin, max_batches)[0]
+    return _calibrated(model, policy, calibrate, margin, max_batches, loss)[0]
 
 
 def _check_model(model) -> None:
@@ -183,6 +186,7 @@ def convert(
     calibrate: Any = None,
     margin: float = calibration.DEFAULT_MARGIN,
     max_batches: int = 8,
+    loss: Any = None,
 ) -> keras.Model:
     """Returns a copy of `model` running under `policy`, with its weights.
 
@@ -195,19 +199,30 @@ def convert(
     keras_mp's (same math). The decision is `kmp.plan(model, policy)`, and the result's
     `precision_plan` attribute.
 
+    With `calibrate` (a few batches of the user's data), the layers that receive or produce
+    a tensor past the compute dtype's largest value / `margin` on those batches are pinned
+    too, and the converted model is checked on them (see `keras_mp.calibrate`); the plan
+    reports each pin's measured maximum against the limit and the FLOPs moved to float32.
+
     Any model Keras runs converts: the model is copied as it is (no `get_config()` round
     trip of its layers), so keras_hub backbones and tasks, `keras.applications`, Functional,
     Sequential and subclassed models, nested models and shared layers all work, and FP32
-    master weights are bit-identical. Pure `"float16"`/`"bfloat16"` rebuild the model from
-    its config (their variables are low precision) and carry each weight over by path. The
+    master weights are bit-identical. Under pure `"float16"`/`"bfloat16"` the copy's
+    variables are recast to the low dtype (pinned layers keep float32). A model Python
+    cannot copy is rebuilt from its config and each weight carried over by path. The
     original is not modified. The pins are part of the saved model: every layer's dtype is
     one `DTypePolicyMap`, which Keras and keras_hub save and rebuild on load. If the model
     was compiled, the copy is compiled from the same config; under `"mixed_float16"` that
     (and any later `compile`) gives it `kmp.LossScaleOptimizer` (see `keras_mp.autoscale`).
 
     Args:
-        model: A built Keras model.
+        model: A built Keras model (the float32 model when calibrating).
         policy: A `Policy`, a policy name, or a `Plan` from `kmp.plan`.
+        calibrate: Optional batches: `x`, `(x, y)`, a list of them, or a dataset.
+        margin: Calibration's safety factor (float16: pin past 65504 / 4 = 16,376).
+        max_batches: At most this many batches of `calibrate` are used.
+        loss: With targets in `calibrate`, the gradient range is checked too (default: the
+            compiled loss, if any).
 
     Returns:
         A new, built `keras.Model` of the same class.
@@ -233,7 +248,7 @@ def convert(
     _warn_unmatched(model, policy)
     if calibrate is None:
         return _converted(model, keep_list.plan(model, policy))
-    the_plan, new = _calibrated(model, policy, calibrate, margin, max_batches)
+    the_plan, new = _calibrated(model, policy, calibrate, margin, max_batches, loss)
     return new if new is not None else _converted(model, the_plan)
 
 
@@ -264,11 +279,11 @@ _INTERNAL = "non-finite in {dtype} though finite in float32: a tensor inside it 
 _ROUNDS = 12  # checks of the converted model, each pinning the first layer to overflow
 
 
-def _calibrated(model, policy: Policy, data, margin, max_batches) -> tuple:
+def _calibrated(model, policy: Policy, data, margin, max_batches, loss=None) -> tuple:
     """(plan with calibration pins, converted model checked on the batches or None)."""
     margin = calibration.check_margin(margin)
     items = calibration.batches(data, max_batches)
-    ranges = calibration.measure(model, items)
+    ranges = calibration.measure(model, items, loss=loss)
     low = policy.compute_dtype
     pins = calibration.range_pins(ranges, low, margin) if policy.is_low_precision else {}
     cal = calibration.Calibration(

@@ -130,3 +130,24 @@ def test_audit_proposes_what_calibrated_convert_disposes():
     assert not any("For float16, pin" in a for a in again.advice)
     json_ready = report.to_dict()
     assert json_ready["proposal"]["pins"][0]["path"] == "enc1_wo"
+
+
+def test_gradient_range_is_measured_with_a_loss():
+    """d loss / d output of every layer, against the analytic value for a linear model."""
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, name="hidden")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden))
+    x = RNG.normal(size=(5, 4)).astype("float32")
+    y = np.zeros((5, 2), "float32")
+    ranges = calibrate.measure(model, (x, y), loss="mse")
+    pred = keras.ops.convert_to_numpy(model(x))
+    d_out = 2 * pred / pred.size  # mean squared error over every element
+    w = keras.ops.convert_to_numpy(model.get_layer("out").kernel)
+    assert ranges["out"].grad_max == pytest.approx(np.abs(d_out).max(), rel=1e-5)
+    assert ranges["hidden"].grad_max == pytest.approx(np.abs(d_out @ w.T).max(), rel=1e-5)
+    assert calibrate.measure(model, x)["out"].grad_max is None  # no targets: not measured
+    # A gradient past the limit at loss scale 1 is pinned like an activation.
+    ranges["out"].grad_max = 1e6
+    assert calibrate.range_pins(ranges, "float16", 4.0) == {
+        "out": "calibration: max |gradient| = 1,000,000 > 16,376"
+    }
