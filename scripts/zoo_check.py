@@ -58,8 +58,8 @@ def _finite(tree) -> bool:
 def _fit(entry, model, jit_compile):
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=entry.loss(),
                   jit_compile=jit_compile)
-    x, y = entry.fit_data(model, BATCH * STEPS)
-    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    x, y = entry.fit_data(model, BATCH)  # one batch, STEPS times
+    history = model.fit(x, y, batch_size=BATCH, epochs=STEPS, shuffle=False, verbose=0)
     losses = history.history["loss"]
     if not np.isfinite(losses).all():
         raise FloatingPointError(f"non-finite loss {losses}")

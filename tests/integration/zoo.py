@@ -99,7 +99,9 @@ class Entry:
             dtype policy; the model is built (has its weights).
         inputs: `batch_size -> inputs` as numpy arrays (a dict for keras_hub
             text models); deterministic.
-        fit_data: `(model, batch_size) -> (x, y)` for `model.fit` with `loss()`.
+        fit_data: `(model, batch_size) -> (x, y)`: ONE batch of `batch_size` samples
+            for `model.fit(x, y, batch_size=batch_size)` with `loss()` (CLIP-style
+            backbones output (batch, batch) logits: their targets fit one batch only).
         loss: `() -> loss`: a fresh loss for `compile`.
         backends: the backends the entry is expected to build and run on.
         note: a known stock-Keras or keras_hub limitation, empty when none.
@@ -196,16 +198,24 @@ def _mse() -> keras.losses.Loss:
     return keras.losses.MeanSquaredError()
 
 
-def _zeros_like_outputs(inputs: Callable[[int], Any]) -> Callable:
-    """Targets for a backbone: float32 zeros shaped like every output."""
+def _zeros_like_outputs(inputs: Callable[[int], Any], keys: tuple = ()) -> Callable:
+    """Targets for a backbone: float32 zeros shaped like every output (like the outputs
+    named in `keys` only, when given: see `_HubFamily.fit_outputs`)."""
 
     def fit_data(model: keras.Model, batch_size: int) -> tuple:
         x = inputs(batch_size)
         outputs = model.predict_on_batch(x)
+        if keys:
+            outputs = {key: outputs[key] for key in keys}
         y = keras.tree.map_structure(lambda t: np.zeros(np.shape(t), "float32"), outputs)
         return x, y
 
     return fit_data
+
+
+def _mse_for(keys: tuple) -> Callable[[], Any]:
+    """A dict of losses: mean squared error on the outputs named in `keys` only."""
+    return lambda: {key: keras.losses.MeanSquaredError() for key in keys}
 
 
 def _labels(inputs: Callable[[int], Any], num_classes: int) -> Callable:
@@ -284,6 +294,7 @@ class _HubFamily:
     image_classifier_kwargs: Callable[[], dict] | None = None
     seq2seq: str = ""
     post_build: Callable[[keras.Model], None] | None = None
+    fit_outputs: tuple = ()  # backbone fit: only these outputs get a target and a loss
     backends: frozenset = _BOTH
     note: str = ""
     task_note: str = ""
@@ -1133,7 +1144,8 @@ def _hub_families() -> list[_HubFamily]:
                 stackwise_block_types=["fused", "fused", "unfused", "unfused"],
                 stackwise_force_input_filters=[0] * 4,
                 stackwise_nores_option=[False] * 4,
-                num_features=32,
+                # num_features keeps its default (1280): keras_hub 0.32 leaves it out of
+                # get_config, so any other value does not survive from_config.
                 input_shape=(32, 32, 3),
                 width_coefficient=1.0,  # keras_hub: required despite the signature's default
                 depth_coefficient=1.0,
@@ -1141,6 +1153,7 @@ def _hub_families() -> list[_HubFamily]:
             image32,
             ("vision", "cnn"),
             image_classifier="EfficientNetImageClassifier",
+            note="keras_hub 0.32: get_config drops num_features (kept at its default here)",
         ),
         _HubFamily(
             "hgnetv2",
@@ -1359,6 +1372,9 @@ def _hub_families() -> list[_HubFamily]:
                 "masks": ("zeros", (0, 32, 32, 1), "float32"),
             },
             ("vision", "detector"),
+            # prompt_dense_positional_embeddings has batch 1 whatever the batch: no target.
+            fit_outputs=("image_embeddings", "prompt_sparse_embeddings", "prompt_dense_embeddings"),
+            note="fit: loss on 3 of the 4 outputs (the positional one has batch size 1)",
         ),
         _HubFamily(
             "sam3",
@@ -1557,8 +1573,8 @@ def _hub_entries() -> list[Entry]:
                 tags=_frozen(fam.tags),
                 build=_seeded(_hub_backbone_maker(fam)),
                 inputs=inputs,
-                fit_data=_zeros_like_outputs(inputs),
-                loss=_mse,
+                fit_data=_zeros_like_outputs(inputs, fam.fit_outputs),
+                loss=_mse_for(fam.fit_outputs) if fam.fit_outputs else _mse,
                 backends=fam.backends,
                 note=fam.note,
             )
