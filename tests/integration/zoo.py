@@ -1388,6 +1388,8 @@ def _hub_families() -> list[_HubFamily]:
                 "box_labels": ("ones", (1,)),
             },
             ("vision", "detector", "multimodal"),
+            note="TensorFlow fit needs jit_compile=False: no XLA CPU kernel for "
+            "ResizeNearestNeighborGrad (pixel decoder)",
         ),
         _HubFamily(
             "segformer",
@@ -1956,7 +1958,7 @@ def get(name: str) -> Entry:
 
 
 def select(
-    tags: Iterable[str] | None = None,
+    tags: str | Iterable[str] | None = None,
     kind: str | Iterable[str] | None = None,
     names: Iterable[str] | None = None,
     backend: str | None = None,
@@ -1964,7 +1966,7 @@ def select(
     """Entries matching every given filter, in registry order.
 
     Args:
-        tags: keep entries that have ANY of these tags.
+        tags: keep entries that have ANY of these tags (or this one tag).
         kind: keep entries of this kind (or of any of these kinds).
         names: keep entries with these names (unknown names raise `KeyError`).
         backend: keep entries expected to run on this backend.
@@ -1974,7 +1976,7 @@ def select(
         wanted = [get(n).name for n in names]
         selected = [e for e in selected if e.name in wanted]
     if tags is not None:
-        tags = _frozen(tags)
+        tags = _frozen([tags] if isinstance(tags, str) else tags)
         selected = [e for e in selected if e.tags & tags]
     if kind is not None:
         kinds = {kind} if isinstance(kind, str) else set(kind)
