@@ -22,6 +22,17 @@ import zoo
 keras_hub is imported lazily (inside the builders), so importing this module and
 building the `apps.*` and `user.*` entries does not need it.
 
+Weight paths are not stable identifiers. Measured with `scripts/zoo_check.py
+--rebuild` (Keras 3.15.1, keras_hub 0.32.0): every entry rebuilds with its weights in
+the same order, same shapes and (seeded) same values, but in about a quarter of them
+(T5*, T5Gemma*, Moonshine, the MoE blocks of Mixtral/Qwen3Moe/QwenMoe, RWKV7, MiT,
+SegFormer, SAM, SAM3, ViTDet, Flux, SigLIP, PARSeq, MobileNetV5, ConvNeXt*, a
+Sequential) a second build in the same session, or `from_config(get_config())`, gives
+other variable paths: sublayers without an explicit name are numbered by a global
+counter ("conv2d" -> "conv2d_6"). DINOV2/DINOV3/HGNetV2/DFine change their paths on
+`from_config` only (sublayer names are prefixed with the model name). Match weights
+by position within the model's weight list, not by path.
+
 Example:
 
 ```python
