@@ -269,10 +269,21 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
         from keras_mp.float8 import apply_float8
 
         apply_float8(new, policy.float8_recipe)  # the output layers stay bfloat16
-    if model.compiled and model.__dict__.get("_compile_config") is not None:
-        new.compile_from_config(model.get_compile_config())
+    _compile_like(model, new)
     new.precision_plan = the_plan
     return new
+
+
+def _compile_like(model: keras.Model, new: keras.Model) -> None:
+    """Compiles `new` as `model` was, with fresh optimizer state. `Trainer.compile` is
+    called directly: Keras' `compile_from_config` gives up on classes that override
+    `compile` (every keras_hub task), though what they recorded are its arguments."""
+    config = model.get_compile_config() if model.compiled else None
+    if config is None:
+        return
+    from keras.src.trainers.trainer import Trainer
+
+    Trainer.compile(new, **keras.saving.deserialize_keras_object(config))
 
 
 _INTERNAL = "non-finite in {dtype} though finite in float32: a tensor inside it overflows"

@@ -110,3 +110,22 @@ def test_audit_and_callbacks_say_when_the_stock_scaler_is_used():
     with pytest.warns(UserWarning, match="LossScaleMonitor: Model .* Keras' own"):
         converted.fit(x, np.ones((8, 3), "float32"), epochs=1, verbose=0,
                       callbacks=[kmp.callbacks.LossScaleMonitor()])
+
+
+def test_converted_keras_hub_task_is_compiled_like_the_original_with_keras_mp_scaler():
+    """keras_hub tasks compile themselves (a custom `compile`, which Keras'
+    `compile_from_config` gives up on); the converted copy is compiled the same way."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=32, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16,
+        max_sequence_length=8,
+    )
+    task = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    assert task.compiled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "compile() was not called"
+        converted = kmp.convert(task, "mixed_float16")
+    assert converted.compiled and type(converted.optimizer) is kmp.LossScaleOptimizer
+    assert type(converted.optimizer.inner_optimizer) is type(task.optimizer)
+    assert converted.optimizer.inner_optimizer is not task.optimizer
+    assert converted.get_compile_config() == task.get_compile_config()
