@@ -116,7 +116,7 @@ def _compare_arguments(c: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="force jit_compile on/off for every mode (default: XLA for float16 modes, which "
-        "TensorFlow runs ~25x slower on CPU without it; Keras' default otherwise)",
+        "TensorFlow runs several times slower on CPU without it; Keras' default otherwise)",
     )
     c.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
     c.add_argument(

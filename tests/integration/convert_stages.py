@@ -118,7 +118,7 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
     """Builds `entry` in float32 and runs the conversion stages under `policy`.
 
     `jit`: `jit_compile` of the fit stage; None: XLA on TensorFlow for mixed_float16 (which
-    TensorFlow runs ~25x slower on a CPU without it), Keras' default otherwise.
+    TensorFlow runs about 5x slower on this CPU without it), Keras' default otherwise.
 
     Returns:
         `{"entry", "policy", "seconds", "error": {stage: detail}, stage: "ok" | ...}`;
