@@ -12,10 +12,9 @@ whole zoo under both policies runs with `-m slow -k full_zoo`, or as a table wit
 `scripts/zoo_sweep.py` (docs/zoo.md).
 """
 
+import convert_stages
 import keras
 import pytest
-
-import convert_stages
 import zoo
 
 BACKEND = keras.backend.backend()
