@@ -12,9 +12,10 @@ keras_mp versions. It holds three rules that make pins safe on real architecture
    layer with its own Python `call` (a transformer block, not a Functional model) cannot
    be pinned alone: on TensorFlow the block's `x + sublayer(x)` fails on mixed dtypes, and
    on JAX it silently promotes the rest of the block. The pin moves up to the outermost such
-   block (the child of a model) and the plan says so. Softmax layers are the exception:
-   attention code consumes probabilities through `keras.ops`, which promotes, or through a
-   `Dropout` layer, which casts back.
+   block (the child of a model) and the plan says so. Softmax layers and MoE routers are
+   the exceptions: attention code consumes probabilities through `keras.ops`, which
+   promotes, or through a `Dropout` layer, which casts back; a router's logits go through a
+   softmax and a top-k to routing weights that the block casts to its own dtype.
 3. **`"output"` pins a head, never a body.** It pins the leaf layer(s) producing the model's
    outputs when they squash (softmax, sigmoid, tanh); the last block of a backbone, or its
    final add or relu, is not a head. A linear logits projection keeps its low-precision
@@ -53,6 +54,7 @@ __all__ = [
     "graph_nodes",
     "addresses",
     "has_native_fp32_statistics",
+    "is_router",
     "layer_rule",
     "layer_tree",
     "output_layers",
@@ -62,7 +64,7 @@ __all__ = [
     "sublayers",
 ]
 
-DEFAULT_KEEP_FP32 = ("softmax", "attention", "output", "normalization")
+DEFAULT_KEEP_FP32 = ("softmax", "attention", "output", "normalization", "router")
 
 TOKENS = {
     "softmax": "softmax and log-softmax in float32: stock Softmax layers in a Functional or "
@@ -77,6 +79,10 @@ TOKENS = {
     "they squash (softmax, sigmoid, tanh), and under pure policies any with weights; a linear "
     "logits projection keeps its matmul in the compute dtype under the mixed policies (FP32 "
     "accumulation; the loss takes the log-softmax in float32)",
+    "router": "the router of a mixture-of-experts block (keras_hub's Mixtral, Qwen MoE, "
+    "Qwen3 MoE, Qwen3.5 MoE): its logits choose the experts through a softmax and a top-k, and "
+    "feed the load-balancing loss; pinned alone, not lifted to its block (the experts stay "
+    "in the compute dtype), as Switch Transformers keep the router in float32",
     "normalization": "normalization statistics in float32: Keras' BatchNormalization, "
     "LayerNormalization, GroupNormalization and RMSNormalization compute them in float32 "
     "internally and are not pinned; other Keras normalization layers are",
@@ -154,6 +160,17 @@ def _head_needs_float32(layer, mixed: bool) -> bool:
     return not mixed and (bool(layer.weights) or isinstance(layer, _PROJECTIONS))
 
 
+def is_router(layer: keras.layers.Layer) -> bool:
+    """True for the router of a mixture-of-experts block: a projection named `*sparse*gate*`
+    or `*router*gate*` (keras_hub's Mixtral, Qwen MoE, Qwen3 MoE, Qwen3.5 MoE), not a shared
+    expert's gate. Its logits choose the experts through a softmax and a top-k, and these
+    blocks cast the routing weights to their own dtype. (GPT-OSS multiplies its router's
+    scores into the experts' outputs as they are: its router is left in the compute dtype.)"""
+    name = layer.name.lower()
+    named = "gate" in name and ("sparse" in name or "router" in name)
+    return named and "shared" not in name and getattr(layer, "kernel", None) is not None
+
+
 def emits_logits(layer: keras.layers.Layer) -> bool:
     """True for a projection with a linear activation: its output is logits, nothing more.
 
@@ -197,6 +214,8 @@ def entry_matches(entry: Any, layer: keras.layers.Layer, outputs: frozenset = fr
         return id(layer) in outputs
     if entry == "normalization":
         return isinstance(layer, _NORMALIZATION)
+    if entry == "router":
+        return is_router(layer)
     if entry in _class_names(layer):
         return True
     return fnmatch.fnmatchcase(layer.name, entry) or (
@@ -361,7 +380,7 @@ def plan(model: keras.Model, policy, extra: Iterable = (), keep: Iterable = ()) 
              for layer, reason in keep if id(layer) in where}
     for layer, reason in wanted:
         target, note = layer, ""
-        if not _is_softmax_layer(layer) and not isinstance(layer, keras.Model):
+        if not (_is_softmax_layer(layer) or is_router(layer) or isinstance(layer, keras.Model)):
             target = lift(layer)
             if target is not layer:
                 note = f"lifted from {where[id(layer)]!r} (the block's own math must match it)"

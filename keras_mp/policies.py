@@ -40,7 +40,7 @@ _POLICIES = {
 VALID_NAMES = tuple(_POLICIES)
 
 DEFAULT_KEEP_FP32 = keep_list.DEFAULT_KEEP_FP32
-"""The default FP32 keep-list: `("softmax", "attention", "output", "normalization")`.
+"""The default FP32 keep-list: `("softmax", "attention", "output", "normalization", "router")`.
 
 Entries are matched against every layer of a model, nested ones included:
 
@@ -64,6 +64,8 @@ The tokens:
   accumulate in float32 and the loss takes the log-softmax in float32; running the
   vocabulary projection in float32 costs about a fifth of a language model's step on a
   GPU). A transformer block, a nested model, a final add or relu is not a head.
+- `"router"`: the router of a mixture-of-experts block runs in float32 (its logits pick the
+  experts and feed the load-balancing loss); the experts stay in the compute dtype.
 - `"normalization"`: statistics in float32. Keras' BatchNormalization, LayerNormalization,
   GroupNormalization and RMSNormalization compute them in float32 internally and are not
   pinned; other Keras normalization layers are. To pin one whole anyway, add its class

@@ -102,7 +102,7 @@ def test_bad_keep_list_entry_lists_valid_entries():
     for bad in (3, None, keras.layers.Dense(2), dict, ""):
         with pytest.raises(ValueError, match="Invalid keep_fp32 entry") as info:
             policies.Policy("mixed_bfloat16", keep_fp32=["softmax", bad])
-        assert "['attention', 'normalization', 'output', 'softmax']" in str(info.value)
+        assert "['attention', 'normalization', 'output', 'router', 'softmax']" in str(info.value)
 
 
 def test_keep_list_must_be_a_collection():
@@ -514,3 +514,33 @@ def test_unpinned_normalization_layers_keep_fp32_statistics(policy_name):
         # Input rounding to the low dtype (relative eps of 300 is ~0.3 in FP16 units of the
         # std 40) plus output rounding; an FP16 variance would be inf/NaN instead.
         np.testing.assert_allclose(got, ref, atol=300 * eps / 40 * 4 + 4 * eps)
+
+
+@pytest.mark.tf_only
+def test_moe_router_runs_in_float32_and_keras_hub_mixtral_trains():
+    """keras_hub's Mixtral fails to train under stock Keras mixed precision on TensorFlow:
+    its load-balancing loss multiplies low-precision router probabilities by a float32
+    mask. The "router" entry runs the router in float32 (not its experts)."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=16, intermediate_dim=32, num_experts=4, top_k=2, sliding_window=4,
+    )
+    ids = np.random.default_rng(0).integers(0, 64, (2, 8)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    y = np.zeros((2, 8, 16), "float32")
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        converted = kmp.convert(backbone, policy)
+        pins = [p.path for p in converted.precision_plan.pins]
+        assert "transformer_layer_0/mixtral_sparse_moe_block/sparse_feedforward_gate_dense" in pins
+        block = converted.get_layer("transformer_layer_0")._sparse_moe_block
+        assert block.compute_dtype == kmp.Policy(policy).compute_dtype  # experts stay low
+        converted.compile(optimizer="adam", loss="mse", jit_compile=True)
+        loss = converted.train_on_batch(x, y, return_dict=True)["loss"]
+        assert np.isfinite(loss)
+    # Without the entry, the Keras way fails as stock Keras does.
+    keep = [e for e in kmp.DEFAULT_KEEP_FP32 if e != "router"]
+    plain = kmp.convert(backbone, policies.Policy("mixed_bfloat16", keep_fp32=keep))
+    plain.compile(optimizer="adam", loss="mse", jit_compile=True)
+    with pytest.raises(Exception, match="Mul"):
+        plain.train_on_batch(x, y)

@@ -30,8 +30,9 @@ SegFormer, SAM, SAM3, ViTDet, Flux, SigLIP, PARSeq, MobileNetV5, ConvNeXt*, a
 Sequential) a second build in the same session, or `from_config(get_config())`, gives
 other variable paths: sublayers without an explicit name are numbered by a global
 counter ("conv2d" -> "conv2d_6"). DINOV2/DINOV3/HGNetV2/DFine change their paths on
-`from_config` only (sublayer names are prefixed with the model name). Match weights
-by position within the model's weight list, not by path.
+`from_config` only (sublayer names are prefixed with the model name). So paths are not
+identities across rebuilds: `kmp.convert` copies models as objects, and where it must
+rebuild one it pairs weights through the layer tree (`keras_mp.model_copy`).
 
 Example:
 
