@@ -27,13 +27,13 @@ Nothing here imports the rest of keras_mp.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from collections.abc import Iterable
 from typing import Any
 
 import keras
 
+from keras_mp._decision import Pin, Plan
 from keras_mp._tree import (
     addresses,
     graph_nodes,
@@ -221,76 +221,6 @@ def entry_matches(entry: Any, layer: keras.layers.Layer, outputs: frozenset = fr
     return fnmatch.fnmatchcase(layer.name, entry) or (
         layer.path is not None and fnmatch.fnmatchcase(layer.path, entry)
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class Pin:
-    """One layer a plan runs in float32.
-
-    Attributes:
-        path: the layer's path (its name where it has none).
-        class_name: its class.
-        reason: why: the keep-list entry, `"source model"` (float32 in a low-precision
-            source model), or a calibration finding.
-        note: how the pin was placed, e.g. lifted from a sublayer.
-    """
-
-    path: str
-    class_name: str
-    reason: str
-    note: str = ""
-
-
-@dataclasses.dataclass
-class Plan:
-    """Which layers of a model run in float32 under a policy, and why.
-
-    `plan()` makes it; `keras_mp.convert` applies it. `str(plan)` lists the pins;
-    `to_dict()` gives the same as plain data.
-
-    Attributes:
-        policy: the `keras_mp.Policy`.
-        pins: the `Pin`s, outermost pinned layers only (their sublayers follow them).
-        swaps: stock layers replaced by their keras_mp versions (`address -> class`).
-        notes: decisions worth knowing (lifted pins, output blocks left alone).
-        float32: addresses (see `addresses`) of every layer that runs in float32: the
-            pins and their sublayers.
-        calibration: the `keras_mp.calibrate.Calibration` behind a calibrated plan.
-    """
-
-    policy: Any
-    pins: list = dataclasses.field(default_factory=list)
-    swaps: dict = dataclasses.field(default_factory=dict)
-    notes: list = dataclasses.field(default_factory=list)
-    float32: set = dataclasses.field(default_factory=set, repr=False)
-    calibration: Any = dataclasses.field(default=None, repr=False)
-
-    @property
-    def policy_name(self) -> str:
-        return self.policy.name
-
-    def to_dict(self) -> dict:
-        return {
-            "policy": self.policy_name,
-            "pins": [dataclasses.asdict(p) for p in self.pins],
-            "swaps": dict(self.swaps),
-            "notes": list(self.notes),
-            "calibration": None if self.calibration is None else self.calibration.to_dict(),
-        }
-
-    def __str__(self) -> str:
-        lines = [
-            f"Conversion to {self.policy_name!r}: {len(self.pins)} layer(s) pinned to float32"
-        ]
-        for p in self.pins:
-            note = f"; {p.note}" if p.note else ""
-            lines.append(f"  {p.path} ({p.class_name}): {p.reason}{note}")
-        if self.swaps:
-            lines.append(f"  {len(self.swaps)} stock layer(s) replaced by keras_mp versions")
-        lines += [f"  note: {n}" for n in self.notes]
-        if self.calibration is not None:
-            lines += ["  " + line for line in self.calibration.summary()]
-        return "\n".join(lines)
 
 
 def layer_rule(policy, layer, outputs: frozenset = frozenset(), graph_node: bool = False):
