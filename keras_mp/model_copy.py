@@ -19,6 +19,7 @@ import keras
 import numpy as np
 from keras.src.ops.function import Function, map_graph
 from keras.src.saving.keras_saveable import KerasSaveable
+from keras.src.utils.backend_utils import DynamicBackend
 from keras.src.utils.tracking import DotNotTrackScope
 
 __all__ = ["copy_model", "pair_layers", "pair_variables", "recast_variables"]
@@ -66,10 +67,20 @@ def _objects_copied():
     """Within: `copy.deepcopy` copies Keras objects as objects (see `_copy_saveable`)."""
     with _COPY_LOCK, DotNotTrackScope():  # tracked lists/dicts are copied as they are
         KerasSaveable.__deepcopy__ = _copy_saveable
+        # A module kept as an attribute is shared, as functions and classes are; the
+        # backend switch of Keras' preprocessing layers is made anew.
+        copy._deepcopy_dispatch[types.ModuleType] = copy._deepcopy_atomic
+        copy._deepcopy_dispatch[DynamicBackend] = _copy_dynamic_backend
         try:
             yield
         finally:
             del KerasSaveable.__deepcopy__
+            del copy._deepcopy_dispatch[types.ModuleType]
+            del copy._deepcopy_dispatch[DynamicBackend]
+
+
+def _copy_dynamic_backend(value: DynamicBackend, memo: dict) -> DynamicBackend:
+    return DynamicBackend(value._backend)
 
 
 def _deepcopy(model: keras.Model) -> keras.Model:

@@ -122,6 +122,34 @@ def test_copy_of_a_functional_model_saves_and_nested_models_stay_nested(tmp_path
     np.testing.assert_array_equal(_np(loaded(x)), _np(model(x)))
 
 
+class KeepsAModule(keras.layers.Layer):
+    """Holds a module as an attribute, as keras_hub's SD3 does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.numpy_module = np
+
+    def call(self, x):
+        return x * 2.0
+
+
+def test_models_with_preprocessing_layers_and_modules_are_copied_as_objects():
+    # Rescaling keeps Keras' backend switch (a DynamicBackend), which plain deepcopy
+    # cannot copy; a module attribute cannot be pickled. Both are copied, not rebuilt.
+    inputs = keras.Input((4,))
+    x = keras.layers.Rescaling(0.5, name="rescale")(inputs)
+    x = KeepsAModule(name="keeps")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    twin, copied = model_copy.copy_model(model)
+    assert copied
+    assert twin.get_layer("keeps").numpy_module is np
+    rescale = twin.get_layer("rescale")
+    assert rescale is not model.get_layer("rescale")
+    assert rescale.backend._backend == model.get_layer("rescale").backend._backend
+    x = np.ones((2, 4), "float32")
+    np.testing.assert_array_equal(_np(twin(x)), _np(model(x)))
+
+
 def test_recast_variables_changes_dtypes_in_place():
     model = _two_scales_model()
     layer = model.get_layer("scales")
