@@ -79,6 +79,17 @@ def _check_model(model) -> None:
         )
 
 
+def saved_by_a_graph(layer, parents: dict, model: keras.Model) -> bool:
+    """Whether `layer`'s dtype is saved in its own config, by a Functional/Sequential model
+    that lists its layers (rather than by a keras_hub model's or subclass's map)."""
+    if isinstance(layer, keras.Model) and not keep_list.serializes_its_layers(layer):
+        return False  # it saves its own dtype, which must carry the map
+    parent = parents.get(id(layer))
+    while parent is not None and not isinstance(parent, keras.Model):
+        parent = parents.get(id(parent))
+    return keep_list.serializes_its_layers(parent if parent is not None else model)
+
+
 def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     """Runs `model` under `the_plan` in place: policies, then keras_mp layer versions.
 
@@ -96,21 +107,13 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     where = keep_list.addresses(model)
     model._dtype_policy = pmap  # keras_hub saves it; the compile hook reads it
 
-    def saved_by_a_graph(layer) -> bool:
-        if isinstance(layer, keras.Model) and not keep_list.serializes_its_layers(layer):
-            return False  # it saves its own dtype, which must carry the map
-        parent = parents.get(id(layer))
-        while parent is not None and not isinstance(parent, keras.Model):
-            parent = parents.get(id(parent))
-        return keep_list.serializes_its_layers(parent if parent is not None else model)
-
     for layer in layers:
         if isinstance(layer, keras.layers.InputLayer) or layer.quantization_mode is not None:
             continue
         if keep_list.serializes_its_layers(layer) and where.get(id(layer)) not in the_plan.float32:
             continue  # a nested Functional/Sequential container: its layers decide
         want = float32 if where.get(id(layer)) in the_plan.float32 else base
-        if not layer.path or saved_by_a_graph(layer):
+        if not layer.path or saved_by_a_graph(layer, parents, model):
             layer._dtype_policy = want
             continue
         layer._dtype_policy = pmap  # the public setter would write into a shared map

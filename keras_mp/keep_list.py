@@ -258,7 +258,9 @@ def layer_rule(policy, layer, outputs: frozenset = frozenset(), graph_node: bool
     return None, swap
 
 
-def plan(model: keras.Model, policy, extra: Iterable = (), keep: Iterable = ()) -> Plan:
+def plan(
+    model: keras.Model, policy, extra: Iterable = (), keep: Iterable | None = None
+) -> Plan:
     """Decides which layers of `model` run in float32 under `policy`.
 
     Args:
@@ -267,7 +269,9 @@ def plan(model: keras.Model, policy, extra: Iterable = (), keep: Iterable = ()) 
         extra: Additional `(layer, reason)` pins (e.g. from calibration), placed with the
             same rules as keep-list pins.
         keep: `(layer, reason)` pins taken as they are (not lifted), e.g. the pins of a
-            loaded converted model.
+            loaded converted model. When given, they replace the rule that keeps the
+            float32 layers of a low-precision source model (a loaded model's float32 layers
+            may only have missed its dtype).
 
     Returns:
         A `Plan`.
@@ -279,7 +283,7 @@ def plan(model: keras.Model, policy, extra: Iterable = (), keep: Iterable = ()) 
     where = addresses(model)
     outputs = frozenset(id(x) for x in output_layers(model))
     nodes = graph_nodes(model)
-    source_low = model.compute_dtype != "float32"
+    source_low = keep is None and model.compute_dtype != "float32"
 
     wanted, swaps = [], {}  # (layer, reason); id -> keras_mp class name
     for layer in layers:
@@ -307,7 +311,7 @@ def plan(model: keras.Model, policy, extra: Iterable = (), keep: Iterable = ()) 
         return top
 
     roots = {id(layer): (layer, Pin(where[id(layer)], type(layer).__name__, reason))
-             for layer, reason in keep if id(layer) in where}
+             for layer, reason in (keep or ()) if id(layer) in where}
     for layer, reason in wanted:
         target, note = layer, ""
         if not (_is_softmax_layer(layer) or is_router(layer) or isinstance(layer, keras.Model)):

@@ -149,7 +149,7 @@ def reapply_plan(model: keras.Model) -> bool:
         True if the model was made by `kmp.convert` and the plan was applied.
     """
     from keras_mp import keep_list, policies
-    from keras_mp.convert import apply_plan
+    from keras_mp.convert import apply_plan, saved_by_a_graph
 
     maps = [
         x.dtype_policy
@@ -160,11 +160,17 @@ def reapply_plan(model: keras.Model) -> bool:
     ]
     if not maps:
         return False
-    layers, _ = keep_list.layer_tree(model)
+    layers, parents = keep_list.layer_tree(model)
     saved = [  # pins the file holds (in the map, or in a layer's own config) stay
         (x, "pinned in the saved model")
         for x in layers
-        if x.path and x.compute_dtype == "float32" and not isinstance(x, keras.layers.InputLayer)
+        if x.path
+        and x.compute_dtype == "float32"
+        and not isinstance(x, keras.layers.InputLayer)
+        # A layer neither in the map nor in a graph's config got the global policy from a
+        # model that does not pass its dtype on (keras_hub's SmolLM3): not a saved pin.
+        and (isinstance(x.dtype_policy, keras.dtype_policies.DTypePolicyMap)
+             or saved_by_a_graph(x, parents, model))
     ]
     pmap = maps[0]
     apply_plan(model, keep_list.plan(model, pmap.default_policy, keep=saved), pmap)

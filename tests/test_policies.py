@@ -497,6 +497,28 @@ def test_converted_model_saves_and_loads_without_keras_mp_policy(tmp_path):
     assert _weights_equal(converted, loaded)
 
 
+def test_subclass_that_does_not_pass_its_dtype_on_reloads_as_converted(tmp_path):
+    """`_Classifier` makes its layers without `dtype=` (as keras_hub's SmolLM3 does): loaded,
+    they get the global float32; `kmp.saving.load_model` puts the plan back, and their
+    float32 is not mistaken for pins saved in the file."""
+    converted = kmp.convert(_block_model("subclassed"), "mixed_bfloat16")
+    path = str(tmp_path / "sub.keras")
+    converted.save(path)
+    plain = keras.saving.load_model(path)
+    assert plain.get_layer("block").proj.compute_dtype == "float32"  # what kmp must undo
+    loaded = kmp.saving.load_model(path)
+
+    def dtypes(model):
+        return [(x.name, x.compute_dtype) for x in model._flatten_layers(include_self=False)]
+
+    assert dtypes(loaded) == dtypes(converted)
+    assert loaded.get_layer("block").proj.compute_dtype == "bfloat16"
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(loaded(x)), keras.ops.convert_to_numpy(converted(x))
+    )
+
+
 @pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
 def test_unpinned_normalization_layers_keep_fp32_statistics(policy_name):
     """Keras' BN/LN up-cast for the statistics: with inputs near 300 the squares (9e4) are
