@@ -210,6 +210,7 @@ def test_scaler_only_row_is_compared_with_stock_float16():
     assert benchmark.default_jit("stock_mixed_float16_kmp_scaler", "tensorflow", False)
 
 
+@pytest.mark.slow
 def test_remat_row_runs_in_its_own_process_with_the_xla_flag(tmp_path):
     """`policy@remat`: XLA with the rematerialization memory limit, set in that row's own
     process (the flag must be there before the backend starts); on a CPU the flag changes
@@ -414,6 +415,7 @@ def test_xla_memory_remat_rows_trade_element_wise_bytes_for_memory(tmp_path):
     assert remat["flash_attention_calls"] == plain["flash_attention_calls"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's profiler")
 def test_tf_profile_script_reads_ops_and_allocator_peak(capsys):
     """benchmarks/tf_profile.py at test size: one record per policy with TF's allocator peak
@@ -461,6 +463,7 @@ def test_jax_profile_kinds_of_kernels(name, kind):
     assert _benchmark_script("jax_profile").kernel_kind(name) == kind
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's profiler")
 def test_jax_profile_script_sums_kernels_per_step(tmp_path, capsys):
     """benchmarks/jax_profile.py at test size, on this CPU (the host's XLA thunks stand in for

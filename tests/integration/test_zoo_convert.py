@@ -27,7 +27,6 @@ SUBSET = {
         ("hub.Qwen3Backbone", "mixed_float16"),  # layer configs do not round-trip
         ("hub.ESMBackbone", "mixed_bfloat16"),  # variables listed in another order
         ("hub.ViTBackbone", "mixed_float16"),  # patching layer cannot be rebuilt
-        ("apps.MobileNetV2", "mixed_bfloat16"),
         ("user.SubclassedNoConfig", "mixed_float16"),
         ("user.Nested", "mixed_bfloat16"),
         ("user.SharedLayer", "mixed_float16"),
