@@ -11,8 +11,10 @@ Under a pure float16/bfloat16 policy the variables of the low layers are then re
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
+import types
 import warnings
 from typing import Any
 
@@ -81,13 +83,18 @@ def _check_model(model) -> None:
 
 def saved_by_a_graph(layer, parents: dict, model: keras.Model) -> bool:
     """Whether `layer`'s dtype is saved in its own config, by a Functional/Sequential model
-    that lists its layers (rather than by a keras_hub model's or subclass's map)."""
+    that lists its layers and is saved itself (rather than by a keras_hub model's or
+    subclass's map: a `keras.Sequential` head that a keras_hub task makes in its constructor
+    is made anew on loading, not read from the file)."""
     if isinstance(layer, keras.Model) and not keep_list.serializes_its_layers(layer):
         return False  # it saves its own dtype, which must carry the map
-    parent = parents.get(id(layer))
-    while parent is not None and not isinstance(parent, keras.Model):
-        parent = parents.get(id(parent))
-    return keep_list.serializes_its_layers(parent if parent is not None else model)
+    container = parents.get(id(layer))
+    while container is not None and not isinstance(container, keras.Model):
+        container = parents.get(id(container))
+    container = model if container is None else container
+    if not keep_list.serializes_its_layers(container):
+        return False
+    return container is model or saved_by_a_graph(container, parents, model)
 
 
 def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
@@ -266,6 +273,7 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
     if not copied:  # rebuilt from its config: paths may differ from the source's
         the_plan = _translate(the_plan, model, new)
     apply_plan(new, the_plan, policy_map(policy, the_plan, new))
+    _save_the_dtype(new)
     if not policy.has_master_weights:
         recast_variables(new)
     if policy.name == "float8":
@@ -275,6 +283,34 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
     _compile_like(model, new)
     new.precision_plan = the_plan
     return new
+
+
+def _config_with_dtype(self) -> dict:
+    return {**type(self).get_config(self), "dtype": keras.dtype_policies.serialize(
+        self.dtype_policy)}
+
+
+def _save_the_dtype(model: keras.Model) -> None:
+    """Models whose `get_config()` drops their dtype (keras_hub's VGG backbone does not call
+    `super().get_config()`) would load back in float32: their config gets the policy map,
+    where their constructor takes a `dtype` (directly or through `**kwargs`). A config that
+    writes some other dtype is left alone (Moonshine's constructor cannot take a map)."""
+    for m in [model, *keep_list.layer_tree(model)[0]]:
+        if not isinstance(m, keras.Model) or keep_list.serializes_its_layers(m):
+            continue
+        if not isinstance(m.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+            continue
+        if isinstance(getattr(m, "backbone", None), keras.Model):
+            continue  # a keras_hub task: its layers take the dtype its backbone saves
+        try:
+            config = m.get_config()
+            params = inspect.signature(type(m).__init__).parameters.values()
+        except Exception:  # noqa: BLE001 - a model that cannot say: leave it as it is
+            continue
+        takes_dtype = any(p.name == "dtype" or p.kind is p.VAR_KEYWORD for p in params)
+        if isinstance(config, dict) and "dtype" not in config and takes_dtype:
+            # A bound method: copies of the model (copy_model) rebind it to themselves.
+            object.__setattr__(m, "get_config", types.MethodType(_config_with_dtype, m))
 
 
 def _compile_like(model: keras.Model, new: keras.Model) -> None:

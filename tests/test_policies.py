@@ -519,6 +519,48 @@ def test_subclass_that_does_not_pass_its_dtype_on_reloads_as_converted(tmp_path)
     )
 
 
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class _Forgetful(keras.Model):
+    """Its config drops its dtype (keras_hub's VGG backbone does the same), and its head is a
+    `keras.Sequential` made in the constructor (as keras_hub's image classifiers make it)."""
+
+    def __init__(self, units=8, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.hidden = keras.layers.Dense(units, activation="relu", name="hidden")
+        self.head = keras.Sequential([keras.layers.Dense(units, name="fc1"),
+                                      keras.layers.Dense(3, name="logits")], name="head")
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    def get_config(self):
+        return {"units": self.units}  # no super().get_config(): no name, no dtype
+
+
+def test_model_whose_config_drops_its_dtype_reloads_as_converted(tmp_path):
+    model = _Forgetful()
+    model(np.zeros((1, 8), "float32"))
+    converted = kmp.convert(model, "mixed_bfloat16")
+    path = str(tmp_path / "forgetful.keras")
+    converted.save(path)
+    loaded = kmp.saving.load_model(path)
+    assert isinstance(loaded.dtype_policy, keras.dtype_policies.DTypePolicyMap)
+    for name in ("hidden", "head/fc1", "head/logits"):
+        want = converted.get_layer(name.split("/")[0])
+        got = loaded.get_layer(name.split("/")[0])
+        if "/" in name:
+            want, got = (m.get_layer(name.split("/")[1]) for m in (want, got))
+        assert got.compute_dtype == want.compute_dtype == "bfloat16", name
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(loaded(x)), keras.ops.convert_to_numpy(converted(x))
+    )
+    # The original's config is as it was; a copy of the converted model saves its own map.
+    assert "dtype" not in model.get_config()
+    assert "dtype" in kmp.convert(converted, "mixed_bfloat16").get_config()
+
+
 @pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
 def test_unpinned_normalization_layers_keep_fp32_statistics(policy_name):
     """Keras' BN/LN up-cast for the statistics: with inputs near 300 the squares (9e4) are
