@@ -150,6 +150,20 @@ def test_models_with_preprocessing_layers_and_modules_are_copied_as_objects():
     np.testing.assert_array_equal(_np(twin(x)), _np(model(x)))
 
 
+def test_deep_functional_models_are_copied_as_objects():
+    # Python's copy recurses along the graph (~25 frames a layer): 400 layers are past
+    # the default recursion limit of 1,000, which copy_model raises while it copies.
+    x = inputs = keras.Input((2,))
+    for _ in range(400):
+        x = keras.layers.Dense(2)(x)
+    model = keras.Model(inputs, x)
+    twin, copied = model_copy.copy_model(model)
+    assert copied
+    assert [v.path for v in twin.weights] == [v.path for v in model.weights]
+    x = np.ones((1, 2), "float32")
+    np.testing.assert_array_equal(_np(twin(x)), _np(model(x)))
+
+
 def test_recast_variables_changes_dtypes_in_place():
     model = _two_scales_model()
     layer = model.get_layer("scales")
