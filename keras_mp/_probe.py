@@ -118,7 +118,7 @@ def trace(model: keras.Model, x, training: bool = False) -> list:
         `LayerTrace`s of the layers that were called, in completion order of their first
         call (a block after its sublayers).
     """
-    layers, parents = keep_list.layer_tree(model)
+    _, parents = keep_list.layer_tree(model)
     where = keep_list.addresses(model)
     records: dict[int, LayerTrace] = {}
     finished = [0]
@@ -156,17 +156,7 @@ def trace(model: keras.Model, x, training: bool = False) -> list:
 
         return recorded
 
-    wrapped = []
-    try:
-        for layer in layers:
-            if isinstance(layer, keras.layers.InputLayer) or "call" in vars(layer):
-                continue
-            object.__setattr__(layer, "call", wrap(layer, layer.call))
-            wrapped.append(layer)
-        model(x, training=training)
-    finally:
-        for layer in wrapped:
-            object.__delattr__(layer, "call")
+    _hooked(model, wrap, lambda: model(x, training=training))
     return sorted(records.values(), key=lambda r: r.end)
 
 
