@@ -116,6 +116,14 @@ def markdown(paths: list, out: str) -> int:
         "a stage fails, the same model is run under stock Keras mixed precision: a failure "
         "stock Keras shares is marked *stock*.",
         "",
+        "Non-finite losses under mixed_float16 (the T5 family, RWKV-7) are activations past "
+        "float16's range at random initialisation, in stock Keras too: `kmp.convert(model, "
+        "\"mixed_float16\", calibrate=batches)` pins the layers that overflow "
+        "([calibration.md](calibration.md) shows keras_hub's T5Backbone training that way). "
+        "Errors raised inside keras_hub layers under float16 (position embeddings of ESM and "
+        "RoFormer V2, D-FINE, SAM 3, Flux) and XLA's float16 gradient limits (DeepLabV3, "
+        "SegFormer, BASNet) are stock Keras' as well; mixed_bfloat16 runs them.",
+        "",
     ]
     summary = {}
     for r in rows:
