@@ -78,24 +78,17 @@ def _np(variable) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(variable.value))
 
 
-def _paired(a: keras.Model, b: keras.Model) -> list:
-    """`a`'s variables in the order of `_pairs(a, b)`."""
-    want, got = _weights(a), _weights(b)
-    if set(want) == set(got):
-        return list(a.weights)
-    return [x for x, _ in pair_variables(a, b)]
-
-
 def _pairs(a: keras.Model, b: keras.Model) -> list:
-    """Each weight of `a` with its counterpart in `b`, as numpy arrays: by path where the
-    paths agree, else as `kmp.convert` pairs them (a loaded model's paths may carry other
-    auto-generated names)."""
+    """`(path, value in a, value in b)` for each weight of `a` and its counterpart in `b`:
+    by path where the paths agree, else as `kmp.convert` pairs them (a loaded model's paths
+    may carry other auto-generated names)."""
     want, got = _weights(a), _weights(b)
     if set(want) == set(got):
-        return [(want[k], got[k]) for k in want]
+        return [(k, want[k], got[k]) for k in want]
     pairs = pair_variables(a, b)
-    assert len(pairs) == len(want) == len(got), f"{len(want)} vs {len(got)} weights"
-    return [(_np(x), _np(y)) for x, y in pairs]
+    assert len(pairs) == len(a.weights) == len(b.weights), (
+        f"{len(a.weights)} vs {len(b.weights)} weights")
+    return [(x.path, _np(x), _np(y)) for x, y in pairs]
 
 
 def _weights(model) -> dict:
@@ -179,8 +172,8 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
             converted = kmp.convert(model, policy)
         after = _weights(model)
         assert all(np.array_equal(before[k], after[k]) for k in before), "original changed"
-        for a, b in _pairs(model, converted):
-            assert np.array_equal(a, b), "master weights not bit-identical"
+        for path, a, b in _pairs(model, converted):
+            assert np.array_equal(a, b), f"master weights not bit-identical: {path}"
         low = kmp.Policy(policy).compute_dtype
         dtypes = _compute_dtypes(converted)
         wrong = [a for a, d in dtypes.items()
@@ -230,7 +223,7 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
                 fp32.save(os.path.join(tmp, "fp32.keras"))
                 again = keras.saving.load_model(os.path.join(tmp, "fp32.keras"), compile=False)
             try:
-                if any(not np.array_equal(a, b) for a, b in _pairs(fp32, again)):
+                if any(not np.array_equal(a, b) for _, a, b in _pairs(fp32, again)):
                     return "weights differ" + how
             except (AssertionError, ValueError):
                 return "weights differ" + how
@@ -250,9 +243,8 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
             converted.save(path)
             loaded = kmp.saving.load_model(path, compile=False)
         try:
-            for (a, b), v in zip(_pairs(converted, loaded), _paired(converted, loaded),
-                                 strict=True):
-                assert np.array_equal(a, b), f"weights differ after loading: {v.path}"
+            for path, a, b in _pairs(converted, loaded):
+                assert np.array_equal(a, b), f"weights differ after loading: {path}"
             a, b = _compute_dtypes(converted, paths_only=True), _compute_dtypes(loaded, True)
             lost = sorted(k for k in a if k in b and a[k] != b[k])
             assert not lost, f"dtypes differ after loading: {lost[:3]}"
