@@ -121,8 +121,10 @@ def markdown(paths: list, out: str) -> int:
         "\"mixed_float16\", calibrate=batches)` pins the layers that overflow "
         "([calibration.md](calibration.md) shows keras_hub's T5Backbone training that way). "
         "Errors raised inside keras_hub layers under float16 (position embeddings of ESM and "
-        "RoFormer V2, D-FINE, SAM 3, Flux) and XLA's float16 gradient limits (DeepLabV3, "
-        "SegFormer, BASNet) are stock Keras' as well.",
+        "RoFormer V2, D-FINE, SAM 3, Flux) and TensorFlow's XLA gradient of bilinear resizing in "
+        "a low dtype (DeepLabV3, SegFormer, BASNet, under either policy) are stock Keras' as "
+        "well; without XLA (`jit_compile=False`) DeepLabV3 converts, trains, saves and audits "
+        "under mixed_float16.",
         "",
         "A relative error of 1.0 that stock Keras shares (the `keras.applications` "
         "MobileNets under mixed_float16) is not a wrong result: at random initialisation "
