@@ -124,7 +124,11 @@ def markdown(paths: list, out: str) -> int:
         "RoFormer V2, D-FINE, SAM 3, Flux) and TensorFlow's XLA gradient of bilinear resizing in "
         "a low dtype (DeepLabV3, SegFormer, BASNet, under either policy) are stock Keras' as "
         "well; without XLA (`jit_compile=False`) DeepLabV3 converts, trains, saves and audits "
-        "under mixed_float16.",
+        "under mixed_float16. Under mixed_bfloat16 (float32's range) the T5 family, RWKV-7, "
+        "ESM, RoFormer V2, D-FINE and Flux pass every stage; SAM 3's training step meets an op "
+        "XLA:CPU does not compile (stock Keras too). The `keras.applications` models are "
+        "full-size (`weights=None`): the sweep took the smallest of each family, under "
+        "mixed_float16.",
         "",
         "A relative error of 1.0 that stock Keras shares (the `keras.applications` "
         "MobileNets under mixed_float16) is not a wrong result: at random initialisation "
