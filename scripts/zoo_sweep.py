@@ -136,6 +136,8 @@ def markdown(paths: list, out: str) -> int:
         "below float16's smallest subnormal (6e-8), so any float16 model outputs zeros.",
         "",
     ]
+    lines += ["Records (one JSON line per model, backend and policy): "
+              + ", ".join(f"`{os.path.relpath(p)}`" for p in paths) + ".", ""]
     summary = {}
     for r in rows:
         key = (r["backend"], r["policy"])
