@@ -33,36 +33,12 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_mp._gelu_math import gelu_float32, gelu_slope_float32
+
 __all__ = ["gelu"]
 
 _FLOAT32 = "float32"
 _LOW_PRECISION = ("float16", "bfloat16")
-_SQRT_HALF = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_OVER_PI = 0.7978845608028654
-_TANH_CUBIC = 0.044715
-
-
-def _tanh_argument(xf):
-    return _SQRT_2_OVER_PI * (xf + _TANH_CUBIC * xf * ops.square(xf))
-
-
-def _gelu_float32(xf, approximate: bool):
-    """GELU of a float32 tensor in `keras.ops`: `x * Phi(x)`, Phi the (tanh-approximated)
-    normal CDF, written without cancellation for large negative `x`."""
-    if approximate:  # 0.5 * (1 + tanh(u)) = sigmoid(2u)
-        return xf * ops.sigmoid(2.0 * _tanh_argument(xf))
-    return 0.5 * xf * ops.erfc(-_SQRT_HALF * xf)
-
-
-def _gelu_slope_float32(xf, approximate: bool):
-    """The derivative of `_gelu_float32`: `Phi(x) + x * Phi'(x)`."""
-    if approximate:
-        cdf = ops.sigmoid(2.0 * _tanh_argument(xf))
-        inner_slope = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * ops.square(xf))
-        return cdf + xf * (2.0 * cdf * (1.0 - cdf)) * inner_slope
-    cdf = 0.5 * ops.erfc(-_SQRT_HALF * xf)
-    return cdf + xf * (_INV_SQRT_2PI * ops.exp(-0.5 * ops.square(xf)))
 
 
 def _as_saved(x):
@@ -76,17 +52,17 @@ def _as_saved(x):
 
 
 def _gelu_keeping_input(x, approximate: bool):
-    """`_gelu_float32` rounded to `x.dtype`, whose gradient is recomputed from `x` alone."""
+    """`gelu_float32` rounded to `x.dtype`, whose gradient is recomputed from `x` alone."""
 
     @ops.custom_gradient
     def fn(x):
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
-            slope = _gelu_slope_float32(ops.cast(_as_saved(x), _FLOAT32), approximate)
+            slope = gelu_slope_float32(ops.cast(_as_saved(x), _FLOAT32), approximate)
             return ops.cast(ops.cast(upstream, _FLOAT32) * slope, x.dtype)
 
-        return ops.cast(_gelu_float32(ops.cast(x, _FLOAT32), approximate), x.dtype), grad
+        return ops.cast(gelu_float32(ops.cast(x, _FLOAT32), approximate), x.dtype), grad
 
     return fn(x)
 

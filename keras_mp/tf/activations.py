@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import functools
 
+from keras_mp._gelu_math import gelu_float32, gelu_slope_float32
+
 __all__ = ["MIN_ELEMENTS", "gelu_float32_math"]
 
 MIN_ELEMENTS = 2**14
@@ -41,15 +43,13 @@ def _kernels(approximate: bool):
     """The forward and backward GELU kernels, each one XLA cluster (`jit_compile=True`)."""
     import tensorflow as tf
 
-    from keras_mp.activations import _gelu_float32, _gelu_slope_float32
-
     @tf.function(jit_compile=True, autograph=False)
     def forward(x):
-        return tf.cast(_gelu_float32(tf.cast(x, tf.float32), approximate), x.dtype)
+        return tf.cast(gelu_float32(tf.cast(x, tf.float32), approximate), x.dtype)
 
     @tf.function(jit_compile=True, autograph=False)
     def backward(x, upstream):
-        slope = _gelu_slope_float32(tf.cast(x, tf.float32), approximate)
+        slope = gelu_slope_float32(tf.cast(x, tf.float32), approximate)
         return tf.cast(tf.cast(upstream, tf.float32) * slope, x.dtype)
 
     return forward, backward
