@@ -28,6 +28,7 @@ __all__ = [
     "has_tensorboard",
     "loss_scale_optimizer",
     "positive_int",
+    "unscaled_reason",
 ]
 
 logger = logging.getLogger("keras_mp")
@@ -36,6 +37,41 @@ logger = logging.getLogger("keras_mp")
 def loss_scale_optimizer(model) -> keras.optimizers.LossScaleOptimizer | None:
     opt = getattr(model, "optimizer", None)
     return opt if isinstance(opt, keras.optimizers.LossScaleOptimizer) else None
+
+
+_said: set = set()
+
+
+def _compute_dtypes(model) -> list[str]:
+    dtypes = {layer.compute_dtype for layer in model._flatten_layers(include_self=True)}
+    return sorted(d for d in dtypes if d)
+
+
+def unscaled_reason(model, who: str) -> str | None:
+    """Why `model` trains without loss scaling, or None when it needs (or has) a scaler.
+
+    A model whose optimizer is not a `LossScaleOptimizer` and none of whose layers computes
+    in float16 (float32, bfloat16, float8 policies) needs no loss scaling: the callbacks
+    that watch the scale have nothing to do. The reason is logged once per process per
+    callback kind and returned (so the callback can keep it).
+    """
+    if loss_scale_optimizer(model) is not None:
+        return None
+    dtypes = _compute_dtypes(model)
+    if "float16" in dtypes:
+        return None
+    policy = getattr(getattr(model, "dtype_policy", None), "name", None)
+    reason = (
+        f"{who}: model {model.name!r} computes in {' and '.join(dtypes) or 'float32'}"
+        + (f" (policy {policy!r})" if policy else "")
+        + " and trains without loss scaling, which only float16 needs (bfloat16 and float32 "
+        f"have float32's range): there is no loss scale to watch, so {who} does nothing in "
+        "this fit."
+    )
+    if (who, reason) not in _said:
+        _said.add((who, reason))
+        logger.warning(reason)
+    return reason
 
 
 class StateReader:

@@ -225,6 +225,17 @@ def audit(
     records = [r for r in trace(model, x) if not isinstance(r.layer, keras.layers.InputLayer)]
     output_ids = {id(layer) for layer in keep_list.output_layers(model)}
     model_fp32 = all(r.layer.compute_dtype == "float32" for r in records)
+    # A bfloat16 model trained without a scaler (as compile leaves one) has float32's range:
+    # float16's gradient underflow and overflow do not apply to it.
+    unscaled_bf16 = (
+        loss_scale is None
+        and not isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+        and any(r.layer.compute_dtype == "bfloat16" for r in records)
+        and not any(r.layer.compute_dtype == "float16" for r in records)
+    )
+    if unscaled_bf16:
+        scale_source = "the model computes in bfloat16, which needs no loss scaling; " \
+            "the gradient columns are float16's, for comparison"
     message = _stock_scaler_message(model)
     if message:
         notes.append(message)
@@ -279,7 +290,7 @@ def audit(
     report = AuditReport(model.name, scale, scale_source, rows, notes, converted)
     if propose:
         report.proposal = _proposal(model, x, margin, model_fp32)
-    _conclude(report, model_fp32, underflow_threshold)
+    _conclude(report, model_fp32, underflow_threshold, float16_grads=not unscaled_bf16)
     return report
 
 
@@ -319,15 +330,17 @@ def _range_pins(report: AuditReport) -> list:
             if p.reason.startswith(("calibration", "non-finite")) and p.path not in float32]
 
 
-def _conclude(report: AuditReport, model_fp32: bool, threshold: float) -> None:
+def _conclude(
+    report: AuditReport, model_fp32: bool, threshold: float, float16_grads: bool = True
+) -> None:
     advice = report.advice
     over = [la for la in report.layers if la.overflow_risk]
     low = [la for la in report.layers if la.runs_low]
     scale = report.loss_scale
     under = [(la, v) for la in report.layers for v in la.variables
-             if (v.grad_underflow_at_scale or 0) > threshold]
+             if float16_grads and (v.grad_underflow_at_scale or 0) > threshold]
     too_big = [(la, v) for la in report.layers for v in la.variables
-               if (v.grad_overflow_at_scale or 0) > 0]
+               if float16_grads and (v.grad_overflow_at_scale or 0) > 0]
     pad = [la for la in report.layers if la.misaligned_dims]
     proposed = _range_pins(report)
     if over and not proposed:

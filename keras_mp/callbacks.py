@@ -34,6 +34,7 @@ from keras_mp._telemetry import (
     has_tensorboard,
     loss_scale_optimizer,
     positive_int,
+    unscaled_reason,
 )
 
 __all__ = [
@@ -64,7 +65,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     Works with `kmp.LossScaleOptimizer` and with Keras' own `LossScaleOptimizer` (which
     has no skip counter: skips are then derived from its `iterations`, counted from the
-    start of this `fit`).
+    start of this `fit`). A model that trains without loss scaling and computes in no
+    float16 (`"mixed_bfloat16"`, `"float32"`, `"float8"`) has no scale to watch: the
+    monitor then adds nothing to the logs, says why once (`self.idle_reason`, and the
+    `keras_mp` logger), and lets the run go on, so a callback list survives switching the
+    policy. A float16 model without a `LossScaleOptimizer` is an error.
 
     Args:
         log_dir: optional directory for the scalars. `log_format="tensorboard"` writes
@@ -103,9 +108,13 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 "`tensorboard` packages; install them or use log_format='csv'."
             )
         self.history: dict[str, list] = {"step": [], "loss_scale": [], "skipped_steps": []}
+        self.idle_reason: str | None = None
         self._writer = None
 
     def on_train_begin(self, logs=None):
+        self.idle_reason = unscaled_reason(self._model, "LossScaleMonitor")
+        if self.idle_reason:
+            return
         self._telemetry = Telemetry(self._model, "LossScaleMonitor")
         self._counter = StepCounter(self._telemetry)
         self._step0 = self._telemetry.applied() + (self._counter.skipped0 or 0)
@@ -113,10 +122,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self._writer = ScalarWriter(self.log_dir, self.log_format)
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self.idle_reason:
+            return
         self._counter.begin_epoch()
         self._epoch_skipped0 = self._counter.skipped()
 
     def on_train_batch_end(self, batch, logs=None):
+        if self.idle_reason:
+            return
         self._counter.end_batch(batch)
         step = self._counter.steps
         if step % self.every_n_steps:
@@ -134,6 +147,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
             )
 
     def on_epoch_end(self, epoch, logs=None):
+        if self.idle_reason:
+            return
         scale, skipped = self._telemetry.scale(), self._counter.skipped()
         steps = self._counter.epoch_steps
         rate = (skipped - self._epoch_skipped0) / steps if steps else 0.0
@@ -229,7 +244,10 @@ class CollapseGuard(keras.callbacks.Callback):
     Firing sets `model.stop_training = True` and logs the diagnosis (`action="stop"`), or
     raises `LossScaleCollapseError` (`action="raise"`). The diagnosis, also kept in
     `self.diagnosis` (with the step in `self.stopped_step`), says what happened and
-    names the variables whose gradients were non-finite in the last overflow.
+    names the variables whose gradients were non-finite in the last overflow. A model
+    that trains without loss scaling and computes in no float16 (`"mixed_bfloat16"`,
+    `"float32"`) has no scale to collapse: the guard then does nothing and says why once
+    (`self.idle_reason`); use `NonFiniteGuard` to stop such a run on a non-finite loss.
 
     Args:
         patience: consecutive checks at the floor before firing.
@@ -280,8 +298,14 @@ class CollapseGuard(keras.callbacks.Callback):
         self.check_every = positive_int("CollapseGuard", "check_every", check_every)
         self.diagnosis: str | None = None
         self.stopped_step: int | None = None
+        self.idle_reason: str | None = None
 
     def on_train_begin(self, logs=None):
+        self.diagnosis = None
+        self.stopped_step = None
+        self.idle_reason = unscaled_reason(self._model, "CollapseGuard")
+        if self.idle_reason:
+            return
         self._telemetry = Telemetry(self._model, "CollapseGuard")
         self._counter = StepCounter(self._telemetry)
         self._floor = self.min_scale if self.min_scale is not None else self._telemetry.min_scale
@@ -291,9 +315,13 @@ class CollapseGuard(keras.callbacks.Callback):
         self.stopped_step = None
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self.idle_reason:
+            return
         self._counter.begin_epoch()
 
     def on_train_batch_end(self, batch, logs=None):
+        if self.idle_reason:
+            return
         self._counter.end_batch(batch)
         step = self._counter.steps
         if step % self.check_every:

@@ -154,3 +154,20 @@ def test_audit_function_and_errors():
         kmp.audit(sub, np.ones((2, 8), "float32"), loss_scale=0)
     with pytest.raises(KeyError, match="No layer named 'nope'"):
         report["nope"]
+
+
+def test_audit_of_an_unscaled_bfloat16_model_gives_no_float16_scale_advice():
+    # Under mixed_bfloat16 compile leaves the optimizer unscaled, as it should: float16's
+    # gradient underflow is reported for comparison but is no reason to "raise the scale".
+    rng = np.random.default_rng(1)
+    x = (rng.uniform(0.5, 1.0, (32, 16)) * 10.0 ** (-4 - 0.6 * np.arange(16))).astype("float32")
+    y = rng.normal(size=(32, 8)).astype("float32")
+    kmp.set_global_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8, use_bias=False),
+                              keras.layers.Dense(8)])
+    model.compile(optimizer="sgd", loss="mse")
+    report = kmp.audit(model, (x, y), propose=False)
+    assert "needs no loss scaling" in report.loss_scale_source
+    assert report.layers[0].variables[0].grad_underflow_at_scale > 0.1  # float16's, shown
+    assert not any("loss scale" in a for a in report.advice)
+    assert report.verdict == "OK for mixed precision."

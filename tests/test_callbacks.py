@@ -214,10 +214,40 @@ def test_bad_arguments_and_configs():
     assert CollapseGuard.from_config(guard.get_config()).get_config() == guard.get_config()
     monitor = LossScaleMonitor.from_config(LossScaleMonitor(every_n_steps=5).get_config())
     assert monitor.every_n_steps == 5
-    # Without a LossScaleOptimizer there is nothing to monitor: a clear error at fit start.
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
-    model.compile(optimizer="sgd", loss="mse")
+    # A float16 model without a LossScaleOptimizer is a mistake: a clear error at fit start.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, dtype="mixed_float16")])
+    model.compile(optimizer="sgd", loss="mse", auto_scale_loss=False)
     for callback in (LossScaleMonitor(), CollapseGuard()):
         callback.set_model(model)
         with pytest.raises(ValueError, match="needs a model compiled with a LossScaleOptimizer"):
             callback.on_train_begin()
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "float32"])
+def test_scale_callbacks_stand_aside_where_no_loss_scaling_is_needed(policy, caplog):
+    # Users switch precision with one flag and keep their callbacks: under a policy that
+    # needs no loss scaling the scale callbacks add nothing, say why once, and never fail.
+    from keras_mp import _telemetry
+
+    _telemetry._said.clear()
+    kmp.set_global_policy(policy)
+    x, y = _data()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    callbacks = [LossScaleMonitor(), CollapseGuard(action="raise"), NonFiniteGuard()]
+    with caplog.at_level("WARNING", logger="keras_mp"):
+        first = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=callbacks)
+        second = model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=callbacks)
+    for history in (first, second):
+        assert set(history.history) == {"loss"}
+        assert np.all(np.isfinite(history.history["loss"]))
+    assert first.history["loss"][1] < first.history["loss"][0]
+    compute = "bfloat16" if policy == "mixed_bfloat16" else "float32"
+    for callback in callbacks[:2]:
+        assert f"computes in {compute}" in callback.idle_reason
+        assert "does nothing in this fit" in callback.idle_reason
+    assert callbacks[0].history == {"step": [], "loss_scale": [], "skipped_steps": []}
+    said = [r.getMessage() for r in caplog.records if "does nothing in this fit" in r.getMessage()]
+    assert len(said) == 2  # once per callback kind, not once per fit
+    assert not any("mixed_float16" in m for m in said)
