@@ -25,13 +25,16 @@ from keras_mp import (
     hardware,
     keep_list,
     layers,
+    lean,
     losses,
     saving,
 )
 from keras_mp.audit import AuditReport, audit
 from keras_mp.callbacks import LossScaleCollapseError
 from keras_mp.convert import convert, plan
+from keras_mp.lean import LeanOptimizer
 from keras_mp.loss_scale import LossScaleOptimizer
+from keras_mp.memory import state_bytes
 from keras_mp.policies import (
     DEFAULT_KEEP_FP32,
     Policy,
@@ -45,7 +48,10 @@ __version__ = "0.1.0"
 autoscale.install()  # compile() under a keras_mp policy gets kmp.LossScaleOptimizer
 
 __all__ = [
+    "LeanOptimizer",
     "LossScaleOptimizer",
+    "lean",
+    "state_bytes",
     "activations",
     "formats",
     "layers",

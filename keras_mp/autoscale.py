@@ -13,6 +13,10 @@ carry their own float16 policies. Keras' scaler has no bounds: its scale can gro
 - a stock `keras.optimizers.LossScaleOptimizer` passed explicitly is kept, with a warning
   saying what it lacks.
 
+Under the `"lean_bfloat16"` policy (bfloat16 weights), a plain Adam, AdamW or SGD becomes
+`kmp.LeanOptimizer` (compensated float32 updates, 8-bit moments); an optimizer whose
+state it cannot keep raises a `ValueError` naming the supported ones.
+
 `compile(..., auto_scale_loss=False)` turns all of it off, as in Keras. A model under a
 plain Keras `"mixed_float16"` with no keras_mp policy in sight keeps Keras' own wrapping.
 """
@@ -27,7 +31,7 @@ import keras
 from keras.src.trainers.trainer import Trainer
 from keras.src.utils.tracking import DotNotTrackScope
 
-__all__ = ["install", "stock_scaler_message", "wants_keras_mp_scaler"]
+__all__ = ["install", "stock_scaler_message", "wants_keras_mp_scaler", "wants_lean_optimizer"]
 
 
 def _runs_float16(model) -> bool:
@@ -66,6 +70,34 @@ def wants_keras_mp_scaler(model: keras.Model) -> bool:
     return _keras_mp_policy_in_sight(model) or model.dtype_policy.name != "mixed_float16"
 
 
+def _lean_policy_in_sight(model) -> bool:
+    from keras_mp import policies
+
+    policy = model.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        policy = policy.default_policy
+    if isinstance(policy, policies.Policy):
+        return policy.is_lean
+    remembered = policies.remembered_policy()
+    return remembered is not None and remembered.is_lean
+
+
+def wants_lean_optimizer(model: keras.Model) -> bool:
+    """Whether compiling `model` should give it `kmp.LeanOptimizer`: a `"lean_bfloat16"`
+    policy is in sight (the model's, its policy map's default, or the global one set by
+    `kmp.set_global_policy`) and some trainable weight is stored in bfloat16.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        A bool.
+    """
+    if not _lean_policy_in_sight(model):
+        return False
+    return any(v.dtype == "bfloat16" for v in model.trainable_variables)
+
+
 def stock_scaler_message(model: keras.Model) -> str | None:
     """A warning when `model` is compiled with Keras' own `LossScaleOptimizer`, else None."""
     from keras_mp.loss_scale import LossScaleOptimizer
@@ -84,12 +116,19 @@ def stock_scaler_message(model: keras.Model) -> str | None:
 
 
 def _after_compile(model, arguments: dict) -> None:
+    from keras_mp.lean import LeanOptimizer
     from keras_mp.loss_scale import LossScaleOptimizer
 
     opt = getattr(model, "optimizer", None)
-    if opt is None or isinstance(opt, LossScaleOptimizer):
+    if opt is None or isinstance(opt, (LossScaleOptimizer, LeanOptimizer)):
         return
-    if not arguments.get("auto_scale_loss", True) or not wants_keras_mp_scaler(model):
+    if not arguments.get("auto_scale_loss", True):
+        return
+    if wants_lean_optimizer(model):
+        with DotNotTrackScope():
+            model.optimizer = LeanOptimizer(opt)  # names what it supports otherwise
+        return
+    if not wants_keras_mp_scaler(model):
         return
     passed = arguments.get("optimizer")
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):

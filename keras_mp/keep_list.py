@@ -238,7 +238,7 @@ def layer_rule(policy, layer, outputs: frozenset = frozenset(), graph_node: bool
         keras_mp layer class replacing it (or None). A pin wins over a swap: a softmax
         producing the model's output is pinned, so the probabilities come out in float32.
     """
-    mixed = policy.has_master_weights
+    mixed = policy.has_master_weights or policy.is_lean
     swap = None
     for entry in policy.keep_fp32:
         if not entry_matches(entry, layer, outputs):
@@ -259,7 +259,11 @@ def layer_rule(policy, layer, outputs: frozenset = frozenset(), graph_node: bool
 
 
 def plan(
-    model: keras.Model, policy, extra: Iterable = (), keep: Iterable | None = None
+    model: keras.Model,
+    policy,
+    extra: Iterable = (),
+    keep: Iterable | None = None,
+    exact: Iterable = (),
 ) -> Plan:
     """Decides which layers of `model` run in float32 under `policy`.
 
@@ -272,6 +276,9 @@ def plan(
             loaded converted model. When given, they replace the rule that keeps the
             float32 layers of a low-precision source model (a loaded model's float32 layers
             may only have missed its dtype).
+        exact: `(layer, reason)` pins of the layer alone: not lifted, and its sublayers
+            keep their own dtype (the run check's pins: `keras_mp._runcheck`, and the tight
+            pins of calibration, which were checked by running the converted model).
 
     Returns:
         A `Plan`.
@@ -349,6 +356,12 @@ def plan(
         result.pins.append(pin)
         float32_ids.add(key)
         float32_ids.update(id(s) for s in layer._flatten_layers(include_self=False))
+    for layer, reason in exact:
+        if id(layer) in float32_ids or id(layer) not in where or inside_another(layer):
+            continue
+        note = "its own math only" if sublayers(layer) else ""
+        result.pins.append(Pin(where[id(layer)], type(layer).__name__, reason, note))
+        float32_ids.add(id(layer))
     result.float32 = {where[i] for i in float32_ids if i in where}
     result.swaps = {  # a pinned block keeps its stock sublayers
         where[i]: f"keras_mp.layers.{name}" for i, name in swaps.items() if i not in float32_ids

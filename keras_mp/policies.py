@@ -36,6 +36,8 @@ _POLICIES = {
     "bfloat16": ("bfloat16", "bfloat16"),
     # FP8 matmuls in Dense/EinsumDense (keras_mp.float8); everything else as mixed_bfloat16.
     "float8": ("bfloat16", "float32"),
+    # bfloat16 weights with compensated updates and compact moments (keras_mp.lean).
+    "lean_bfloat16": ("bfloat16", "bfloat16"),
 }
 VALID_NAMES = tuple(_POLICIES)
 
@@ -88,7 +90,11 @@ class Policy(keras.DTypePolicy):
     FP32 master weights); the pure `"float16"` and `"bfloat16"` (variables in low precision,
     no master weights: kept for comparison, a warning says so); `"float8"` (FP8 matmuls in
     Dense/EinsumDense with delayed scaling, see `keras_mp.float8`; everything else as under
-    `"mixed_bfloat16"`; the FP8 layers are made by `convert`).
+    `"mixed_bfloat16"`; the FP8 layers are made by `convert`); `"lean_bfloat16"`
+    (bfloat16 compute as `"mixed_bfloat16"`, but trainable weights stored in bfloat16 and
+    updated by `keras_mp.LeanOptimizer` with compensated float32 arithmetic and 8-bit
+    moments: about 5 bytes of training state a parameter instead of 12 or more; the
+    keep-list's layers keep float32 weights).
 
     Under a low-precision policy the layers matched by `keep_fp32` get the `"float32"` Keras
     policy; all others get `policy.base`. Keep-list tokens: `"softmax"` (softmax/log-softmax
@@ -102,7 +108,7 @@ class Policy(keras.DTypePolicy):
 
     Args:
         name: One of `"float32"`, `"mixed_float16"`, `"mixed_bfloat16"`, `"float16"`,
-            `"bfloat16"`, `"float8"`.
+            `"bfloat16"`, `"float8"`, `"lean_bfloat16"`.
         keep_fp32: Iterable of keep-list entries (layer classes, class names, fnmatch
             name/path patterns, tokens). Defaults to `DEFAULT_KEEP_FP32`.
         float8_recipe: for `"float8"` only: a `keras_mp.float8.Float8Recipe` (or its
@@ -145,7 +151,7 @@ class Policy(keras.DTypePolicy):
         return _POLICIES[name]
 
     def _warn_if_pure(self) -> None:
-        if self.is_low_precision and not self.has_master_weights:
+        if self.is_low_precision and not self.has_master_weights and not self.is_lean:
             warnings.warn(
                 f"Policy {self.name!r} keeps variables in {self.variable_dtype} with no FP32 "
                 f"master weights: small updates are rounded away. Use "
@@ -165,6 +171,11 @@ class Policy(keras.DTypePolicy):
         return self.variable_dtype == "float32"
 
     @property
+    def is_lean(self) -> bool:
+        """True for `"lean_bfloat16"`: bfloat16 weights kept exact by `LeanOptimizer`."""
+        return self.name == "lean_bfloat16"
+
+    @property
     def is_low_precision(self) -> bool:
         """True when the compute dtype is not float32."""
         return self.compute_dtype != "float32"
@@ -172,7 +183,8 @@ class Policy(keras.DTypePolicy):
     @property
     def base(self) -> keras.DTypePolicy:
         """The plain Keras policy given to layers that are not on the keep-list."""
-        return keras.DTypePolicy("mixed_bfloat16" if self.name == "float8" else self.name)
+        name = {"float8": "mixed_bfloat16", "lean_bfloat16": "bfloat16"}.get(self.name, self.name)
+        return keras.DTypePolicy(name)
 
     def keep_entry(self, layer: keras.layers.Layer, output_layers: Iterable = ()) -> Any:
         """The first keep-list entry matching `layer` on its own, or `None`.
@@ -356,7 +368,8 @@ def policy_map(policy: Policy, plan: keep_list.Plan, model: keras.Model):
     float32 = keras.DTypePolicy("float32")
     with warnings.catch_warnings():  # a pure policy warned when it was made
         warnings.simplefilter("ignore", UserWarning)
-        default = Policy(policy.base.name, keep_fp32=policy.keep_fp32)
+        name = policy.name if policy.is_lean else policy.base.name
+        default = Policy(name, keep_fp32=policy.keep_fp32)
     result = keras.dtype_policies.DTypePolicyMap(default_policy=default)
     layers, parents = keep_list.layer_tree(model)
     where = keep_list.addresses(model)

@@ -1,0 +1,353 @@
+"""The lean training state: bfloat16 weights with compensated updates, compact moments.
+
+`LeanOptimizer` runs Adam, AdamW or SGD (with or without momentum) with the update
+arithmetic in float32 inside the train step, and stores what persists between steps
+compactly (`keras_mp.lean_codecs`): bfloat16 weights with an 8-bit Kahan compensation
+buffer, and block-wise 8-bit moments. Under the `"lean_bfloat16"` policy a model's
+trainable weights are bfloat16 (the keep-list's layers keep float32 weights) and
+`compile(optimizer="adamw")` gets a `LeanOptimizer` by itself (`keras_mp.autoscale`).
+Float32 weights are updated exactly; only their moments are compressed.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+from keras.src.utils import tracking
+
+from keras_mp import lean_codecs
+
+__all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
+
+DEFAULT_ROUNDING = "kahan"
+DEFAULT_MOMENTS = "int8"
+
+# Optimizer classes whose state LeanOptimizer knows how to keep (exact types: a subclass
+# may change the update rule, which would be silently replaced).
+SUPPORTED = {
+    keras.optimizers.Adam: "adam",
+    keras.optimizers.AdamW: "adamw",
+    keras.optimizers.SGD: "sgd",
+}
+_BY_NAME = {v: k for k, v in SUPPORTED.items()}
+_BASE_ARGS = (
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"LeanOptimizer: invalid `{name}`={value!r}. Expected one of {list(choices)}."
+        )
+
+
+@keras.saving.register_keras_serializable(package="keras_mp")
+class LeanOptimizer(keras.optimizers.Optimizer):
+    """Adam, AdamW or SGD with a compact persistent state and float32 update arithmetic.
+
+    Each step the gradients are taken to float32, clipped there (the global norm is a
+    float32 reduction), and every update is computed in float32 from the decoded weight
+    and moments, then stored back:
+
+    - a bfloat16 weight with `rounding="kahan"` keeps what rounding to bfloat16 lost in an
+      int8 compensation buffer (about 16 significant bits in all; 3 bytes a parameter), so
+      updates far below the weight's bfloat16 ulp still add up. `"kahan16"` keeps a
+      bfloat16 buffer instead (4 bytes); `"stochastic"` keeps no buffer and rounds up or
+      down at random, unbiased (2 bytes).
+    - a float32 weight (a layer the keep-list pins) is updated exactly.
+    - the moments are stored as `moments="int8"` (block-wise 8-bit codes with a float32
+      scale per `block_size` values; 2 bytes a parameter for Adam's two moments),
+      `"bfloat16"` or `"float32"`. Tensors smaller than `min_quantized_size` keep float32
+      moments (biases and norm scales: a negligible share of the parameters).
+
+    The optimizer's other settings (learning rate or schedule, betas, epsilon, weight
+    decay and its exclusions, momentum, nesterov, clipping, EMA, gradient accumulation)
+    are taken from `inner_optimizer`, which is not used after construction. With
+    `use_ema` the averages are float32; with `gradient_accumulation_steps` the
+    accumulators are float32 (each adds 4 bytes a parameter).
+
+    Args:
+        inner_optimizer: a `keras.optimizers.Adam`, `AdamW` or `SGD` (not a subclass;
+            `amsgrad` is not supported).
+        rounding: how bfloat16 weights absorb updates: `"kahan"` (default), `"kahan16"`
+            or `"stochastic"`.
+        moments: storage of the moments: `"int8"` (default), `"bfloat16"`, `"float32"`.
+        block_size: values per scale of the int8 moments.
+        min_quantized_size: tensors with fewer elements keep float32 moments.
+        name: optimizer name.
+
+    Example:
+
+    ```python
+    model = kmp.convert(model, "lean_bfloat16")
+    model.compile(optimizer="adamw", loss=...)          # gets a LeanOptimizer by itself
+    # or explicitly, for an optimizer you configure:
+    opt = kmp.LeanOptimizer(keras.optimizers.AdamW(3e-4, weight_decay=0.1))
+    ```
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        rounding: str = DEFAULT_ROUNDING,
+        moments: str = DEFAULT_MOMENTS,
+        block_size: int = 2048,
+        min_quantized_size: int = 4096,
+        name: str | None = None,
+        **kwargs,
+    ):
+        if isinstance(inner_optimizer, LeanOptimizer):
+            raise ValueError(
+                "LeanOptimizer: `inner_optimizer` is already a LeanOptimizer; pass the "
+                "Adam/AdamW/SGD it was made from."
+            )
+        kind = SUPPORTED.get(type(inner_optimizer))
+        if kind is None:
+            raise ValueError(
+                "LeanOptimizer keeps a compact state for keras.optimizers.Adam, AdamW and SGD "
+                f"(with or without momentum); got {type(inner_optimizer).__name__}. For other "
+                "optimizers use the 'mixed_bfloat16' policy (float32 weights and state)."
+            )
+        if getattr(inner_optimizer, "amsgrad", False):
+            raise ValueError(
+                "LeanOptimizer: Adam with amsgrad=True is not supported (its third moment "
+                "is not compressed); use amsgrad=False or the 'mixed_bfloat16' policy."
+            )
+        _check_choice("rounding", rounding, lean_codecs.ROUNDINGS)
+        _check_choice("moments", moments, lean_codecs.MOMENT_FORMATS)
+        for arg, value in (("block_size", block_size), ("min_quantized_size", min_quantized_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"LeanOptimizer: invalid `{arg}`={value!r}: expected a positive integer."
+                )
+        rate = inner_optimizer._learning_rate
+        if isinstance(rate, keras.Variable):
+            rate = float(ops.convert_to_numpy(rate))
+        base = {a: getattr(inner_optimizer, a) for a in _BASE_ARGS}
+        super().__init__(learning_rate=rate, name=name or f"lean_{kind}", **base, **kwargs)
+        self.kind = kind
+        self.rounding = rounding
+        self.moments = moments
+        self.block_size = block_size
+        self.min_quantized_size = min_quantized_size
+        self.beta_1 = float(getattr(inner_optimizer, "beta_1", 0.9))
+        self.beta_2 = float(getattr(inner_optimizer, "beta_2", 0.999))
+        self.epsilon = float(getattr(inner_optimizer, "epsilon", 1e-7))
+        self.momentum = float(getattr(inner_optimizer, "momentum", 0.0))
+        self.nesterov = bool(getattr(inner_optimizer, "nesterov", False))
+        for attr in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+            if hasattr(inner_optimizer, attr):
+                setattr(self, attr, getattr(inner_optimizer, attr))
+
+    # -- state -----------------------------------------------------------------------
+
+    def _moment_format(self, variable) -> str:
+        size = 1
+        for d in variable.shape:
+            size *= int(d)
+        if self.moments == "int8" and size < self.min_quantized_size:
+            return "float32"
+        return self.moments
+
+    def _add_moment(self, variable, name: str) -> tuple:
+        fmt = self._moment_format(variable)
+        codes_shape, scales_shape = lean_codecs.moment_shapes(
+            variable.shape, fmt, self.block_size
+        )
+        dtype = {"int8": "uint8", "bfloat16": "bfloat16", "float32": "float32"}[fmt]
+        prefix = variable.path.replace("/", "_")
+        codes = self.add_variable(codes_shape, dtype=dtype, name=f"{prefix}_{name}")
+        scales = None
+        if scales_shape is not None:
+            scales = self.add_variable(scales_shape, dtype="float32", name=f"{prefix}_{name}_scale")
+        return fmt, codes, scales
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._slots = []
+        for variable in var_list:
+            slot = {"compensation": None, "m": None, "v": None}
+            if variable.dtype == "bfloat16" and self.rounding != "stochastic":
+                dtype = "int8" if self.rounding == "kahan" else "bfloat16"
+                slot["compensation"] = self.add_variable(
+                    tuple(variable.shape),
+                    dtype=dtype,
+                    name=variable.path.replace("/", "_") + "_compensation",
+                )
+            if self.kind in ("adam", "adamw"):
+                slot["m"] = self._add_moment(variable, "momentum")
+                slot["v"] = self._add_moment(variable, "velocity")
+            elif self.momentum > 0:
+                slot["m"] = self._add_moment(variable, "momentum")
+            self._slots.append(slot)
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        """EMA averages and gradient accumulators are float32 whatever the weight's dtype."""
+        if name in ("average", "gradient_accumulator") and reference_variable.dtype != "float32":
+            prefix = reference_variable.path.replace("/", "_")
+            return self.add_variable(
+                tuple(reference_variable.shape),
+                initializer=initializer,
+                dtype="float32",
+                name=f"{prefix}_{name}",
+            )
+        return super().add_variable_from_reference(reference_variable, name, initializer)
+
+    # -- the update --------------------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """Applies one step; gradients are taken to float32 first (clipping included)."""
+        grads = [None if g is None else _to_float32(g) for g in grads]
+        return super().apply(grads, trainable_variables)
+
+    def _apply_weight_decay(self, variables):
+        return  # decoupled decay is part of update_step, in float32
+
+    def _seed(self, index: int, salt: int):
+        step = ops.cast(self.iterations, "int32")
+        return step * 1000003 + (index * 8 + salt) * 7919
+
+    def _read_moment(self, moment, signed: bool, shape):
+        fmt, codes, scales = moment
+        return lean_codecs.decode_moment(
+            codes.value,
+            None if scales is None else scales.value,
+            fmt,
+            signed,
+            shape,
+        )
+
+    def _write_moment(self, moment, value, signed: bool, seed):
+        fmt, codes, scales = moment
+        stored, scale = lean_codecs.encode_moment(value, fmt, signed, seed, self.block_size)
+        self.assign(codes, stored)
+        if scales is not None:
+            self.assign(scales, scale)
+
+    def update_step(self, gradient, variable, learning_rate):
+        index = self._get_variable_index(variable)
+        slot = self._slots[index]
+        shape = tuple(variable.shape)
+        g = ops.cast(gradient, "float32")
+        lr = ops.cast(learning_rate, "float32")
+        comp = slot["compensation"]
+        is_bf16 = keras.backend.standardize_dtype(variable.dtype) == "bfloat16"
+        w = lean_codecs.decode_weight(
+            _read(variable),
+            None if comp is None else comp.value,
+            self.rounding,
+        )
+        step = ops.cast(self.iterations + 1, "float32")
+        update = ops.zeros_like(w)
+        if self.weight_decay is not None and self._use_weight_decay(variable):
+            update = update - w * (ops.cast(self.weight_decay, "float32") * lr)
+        if self.kind in ("adam", "adamw"):
+            m = self._read_moment(slot["m"], True, shape)
+            v = self._read_moment(slot["v"], False, shape)
+            m = m + (g - m) * (1.0 - self.beta_1)
+            v = v + (ops.square(g) - v) * (1.0 - self.beta_2)
+            alpha = lr * ops.sqrt(1.0 - ops.power(self.beta_2, step)) / (
+                1.0 - ops.power(self.beta_1, step)
+            )
+            update = update - alpha * m / (ops.sqrt(v) + self.epsilon)
+            self._write_moment(slot["m"], m, True, self._seed(index, 2))
+            self._write_moment(slot["v"], v, False, self._seed(index, 3))
+        elif slot["m"] is not None:
+            m = self._read_moment(slot["m"], True, shape)
+            m = self.momentum * m - lr * g
+            update = update + (self.momentum * m - lr * g if self.nesterov else m)
+            self._write_moment(slot["m"], m, True, self._seed(index, 2))
+        else:
+            update = update - lr * g
+        target = w + update
+        if is_bf16:
+            weight, compensation = lean_codecs.encode_weight(
+                target, self.rounding, self._seed(index, 1)
+            )
+            self.assign(variable, weight)
+            if comp is not None:
+                self.assign(comp, compensation)
+        else:
+            self.assign(variable, ops.cast(target, variable.dtype))
+
+    # -- EMA in float32 --------------------------------------------------------------------
+
+    def _update_model_variables_moving_average(self, trainable_variables):
+        if not self.use_ema:
+            return
+        first = ops.equal(self.iterations, 0)
+        momentum = ops.where(first, 0.0, ops.cast(self.ema_momentum, "float32"))
+        for var, average in zip(trainable_variables, self._model_variables_moving_average):
+            if average is None:
+                continue
+            value = ops.cast(_read(var), "float32")
+            average.assign(momentum * average.value + (1.0 - momentum) * value)
+
+    def _overwrite_model_variables_with_average_value(self, trainable_variables):
+        for var, average in zip(trainable_variables, self._model_variables_moving_average):
+            if average is not None:
+                var.assign(ops.cast(average.value, var.dtype))
+
+    # -- config ----------------------------------------------------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        inner = {
+            "adam": ("beta_1", "beta_2", "epsilon"),
+            "adamw": ("beta_1", "beta_2", "epsilon"),
+            "sgd": ("momentum", "nesterov"),
+        }[self.kind]
+        config.update(
+            {
+                "optimizer": self.kind,
+                **{k: getattr(self, k) for k in inner},
+                "rounding": self.rounding,
+                "moments": self.moments,
+                "block_size": self.block_size,
+                "min_quantized_size": self.min_quantized_size,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        own = {
+            k: config.pop(k)
+            for k in ("rounding", "moments", "block_size", "min_quantized_size", "name")
+            if k in config
+        }
+        kind = config.pop("optimizer")
+        rate = config.get("learning_rate")
+        if isinstance(rate, dict):
+            config["learning_rate"] = keras.saving.deserialize_keras_object(
+                rate, custom_objects=custom_objects
+            )
+        inner = _BY_NAME[kind](**config)
+        return cls(inner, **own)
+
+
+def _read(variable):
+    """A variable's value: a Keras variable's (mapped in a stateless scope) or a backend
+    variable's, as TensorFlow's distributed update passes it."""
+    if isinstance(variable, keras.Variable):
+        return variable.value
+    return ops.convert_to_tensor(variable)
+
+
+def _to_float32(g):
+    if hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape"):
+        return type(g)(ops.cast(g.values, "float32"), g.indices, g.dense_shape)
+    return ops.cast(g, "float32")

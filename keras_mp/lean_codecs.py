@@ -1,0 +1,258 @@
+"""How the lean training state is stored: pure encode/decode functions in `keras.ops`.
+
+The lean state keeps trainable weights in bfloat16 and optimizer moments in 8 bits or
+bfloat16; every update is computed in float32 inside the train step and written back
+through these codecs. Each is a pure function of float32 values (and, where it rounds
+stochastically, of random bits derived from the step and the variable), so the same code
+runs in the stateful (TensorFlow) and stateless (JAX) paths, with and without XLA, and
+two runs with the same inputs produce the same bits.
+
+Weights (`encode_weight` / `decode_weight`):
+
+- `"kahan"`: the bfloat16 weight is the float32 target rounded to nearest; what the
+  rounding lost is kept in an int8 compensation buffer in units of 1/254 of the weight's
+  bfloat16 ulp (Kahan summation with a compact buffer: about 16 significant bits, 3 bytes
+  a parameter). Small updates accumulate in the buffer until they move the weight.
+- `"kahan16"`: the same with a bfloat16 compensation buffer (4 bytes a parameter).
+- `"stochastic"`: the weight alone, rounded up or down with probabilities that make it
+  unbiased (2 bytes a parameter).
+
+Moments (`encode_moment` / `decode_moment`):
+
+- `"int8"`: block-wise 8-bit codes with one float32 scale (the block's absolute maximum)
+  per `block` values: a signed companded map for the first moment, an unsigned one with
+  no zero point for the second (a non-zero second moment never decodes to zero, so
+  `m / sqrt(v)` cannot blow up). Codes are rounded stochastically, so an exponential
+  average whose per-step change is below one code step still moves in expectation.
+- `"bfloat16"`: stochastically rounded bfloat16.
+- `"float32"`: as the float32 optimizer stores it (for comparison).
+"""
+
+from __future__ import annotations
+
+import math
+
+from keras import ops
+
+__all__ = [
+    "MOMENT_FORMATS",
+    "ROUNDINGS",
+    "decode_moment",
+    "decode_weight",
+    "encode_moment",
+    "encode_weight",
+    "moment_shapes",
+    "random_bits",
+    "stochastic_round_bfloat16",
+]
+
+ROUNDINGS = ("kahan", "kahan16", "stochastic")
+MOMENT_FORMATS = ("int8", "bfloat16", "float32")
+
+# Companding exponents of the 8-bit moment maps: value = scale * (code / top) ** power.
+_SIGNED_POWER = 3.0  # first moment: 127 magnitudes, relative step 2.4% at the block's max
+_UNSIGNED_POWER = 4.0  # second moment (~ g**2): 255 codes, no zero point
+_SIGNED_TOP = 127.0
+_UNSIGNED_TOP = 255.0
+_KAHAN_STEPS = 254.0  # int8 compensation: units of ulp / 254, |code| <= 127
+
+
+# -- random bits --------------------------------------------------------------------
+
+
+def _shr(x, bits: int):
+    """Logical right shift of an int32 tensor."""
+    return ops.bitwise_and(ops.right_shift(x, bits), (1 << (32 - bits)) - 1)
+
+
+def _as_int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def random_bits(shape, seed) -> object:
+    """16 uniformly distributed random bits per element, as int32 in [0, 65536).
+
+    A counter-based hash (murmur3's finaliser) of each element's index and `seed`: no
+    random-number state, identical on every backend, with and without XLA.
+
+    Args:
+        shape: the shape of the result.
+        seed: an int32 scalar (tensor or int); different seeds give independent bits.
+
+    Returns:
+        An int32 tensor of `shape`.
+    """
+    size = max(1, math.prod(shape))
+    key = _mix(ops.cast(seed, "int32") + _as_int32(0x6A09E667))
+    h = _mix(ops.multiply(ops.arange(size, dtype="int32"), _as_int32(0x9E3779B1)) + key)
+    return ops.reshape(ops.bitwise_and(h, 0xFFFF), shape)
+
+
+def _mix(h):
+    """murmur3's 32-bit finaliser (wrapping int32 arithmetic)."""
+    h = ops.bitwise_xor(h, _shr(h, 16))
+    h = ops.multiply(h, _as_int32(0x85EBCA6B))
+    h = ops.bitwise_xor(h, _shr(h, 13))
+    h = ops.multiply(h, _as_int32(0xC2B2AE35))
+    return ops.bitwise_xor(h, _shr(h, 16))
+
+
+def _uniform(shape, seed):
+    """Uniform floats in [0, 1) from `random_bits`."""
+    return ops.cast(random_bits(shape, seed), "float32") * (1.0 / 65536.0)
+
+
+# -- bfloat16 rounding --------------------------------------------------------------
+
+
+def stochastic_round_bfloat16(x, bits):
+    """`x` (float32) rounded to bfloat16, up or down at random, unbiased.
+
+    Adds 16 random bits below bfloat16's last mantissa bit and truncates: `x` becomes
+    its upper neighbour with probability equal to its distance from the lower one, in
+    ulps. Non-finite values stay non-finite.
+
+    Args:
+        x: float32 tensor.
+        bits: int32 tensor of `x`'s shape with values in [0, 65536) (`random_bits`).
+
+    Returns:
+        A bfloat16 tensor.
+    """
+    x = ops.cast(x, "float32")
+    raw = ops.view(x, "int32")
+    rounded = ops.bitwise_and(raw + bits, _as_int32(0xFFFF0000))
+    finite = ops.isfinite(x)
+    out = ops.where(finite, ops.view(rounded, "float32"), x)
+    return ops.cast(out, "bfloat16")
+
+
+def _bfloat16_ulp(w):
+    """The spacing of bfloat16 numbers at `w` (float32 holding bfloat16 values)."""
+    mag = ops.maximum(ops.abs(w), 2.0**-126)
+    p = ops.power(2.0, ops.floor(ops.log2(mag)))  # 2**floor(log2|w|), exact below
+    p = ops.where(p * 2.0 <= mag, p * 2.0, p)
+    p = ops.where(p > mag, p * 0.5, p)
+    return p * (2.0**-7)
+
+
+def encode_weight(target, rounding: str, seed=0):
+    """A float32 weight as its lean storage.
+
+    Args:
+        target: float32 tensor, the exact new weight.
+        rounding: one of `ROUNDINGS`.
+        seed: int32 scalar for `"stochastic"` (ignored otherwise).
+
+    Returns:
+        `(weight, compensation)`: the bfloat16 weight and the compensation buffer
+        (int8 for `"kahan"`, bfloat16 for `"kahan16"`, None for `"stochastic"`).
+    """
+    target = ops.cast(target, "float32")
+    if rounding == "stochastic":
+        return stochastic_round_bfloat16(target, random_bits(tuple(target.shape), seed)), None
+    weight = ops.cast(target, "bfloat16")
+    residual = target - ops.cast(weight, "float32")
+    if rounding == "kahan16":
+        return weight, ops.cast(residual, "bfloat16")
+    if rounding != "kahan":
+        raise ValueError(f"Unknown rounding {rounding!r}; expected one of {ROUNDINGS}.")
+    units = residual / _bfloat16_ulp(ops.cast(weight, "float32")) * _KAHAN_STEPS
+    code = ops.clip(ops.round(units), -127.0, 127.0)
+    return weight, ops.cast(ops.where(ops.isfinite(code), code, 0.0), "int8")
+
+
+def decode_weight(weight, compensation, rounding: str):
+    """The float32 weight a lean weight and its compensation buffer stand for.
+
+    Args:
+        weight: bfloat16 tensor.
+        compensation: the buffer `encode_weight` returned (None for `"stochastic"`).
+        rounding: one of `ROUNDINGS`.
+
+    Returns:
+        A float32 tensor.
+    """
+    w = ops.cast(weight, "float32")
+    if compensation is None or rounding == "stochastic":
+        return w
+    if rounding == "kahan16":
+        return w + ops.cast(compensation, "float32")
+    units = ops.cast(compensation, "float32") * (1.0 / _KAHAN_STEPS)
+    return w + units * _bfloat16_ulp(w)
+
+
+# -- moments ------------------------------------------------------------------------
+
+
+def moment_shapes(shape, fmt: str, block: int) -> tuple:
+    """Shapes of a moment's storage: `(codes_shape, scales_shape or None)`."""
+    if fmt != "int8":
+        return tuple(shape), None
+    blocks = max(1, -(-math.prod(shape) // block))
+    return (blocks, block), (blocks,)
+
+
+def _blocks(x, block: int):
+    flat = ops.reshape(ops.cast(x, "float32"), (-1,))
+    size = flat.shape[0]
+    blocks = max(1, -(-size // block))
+    pad = blocks * block - size
+    if pad:
+        flat = ops.pad(flat, [(0, pad)])
+    return ops.reshape(flat, (blocks, block))
+
+
+def encode_moment(x, fmt: str, signed: bool, seed=0, block: int = 2048):
+    """A float32 optimizer moment as its compact storage, rounded stochastically.
+
+    Args:
+        x: float32 tensor (the first moment when `signed`, else the second, >= 0).
+        fmt: one of `MOMENT_FORMATS`.
+        signed: True for a signed map (first moment), False for the unsigned map.
+        seed: int32 scalar for the stochastic rounding.
+        block: values per scale for `"int8"`.
+
+    Returns:
+        `(codes, scales)`: for `"int8"`, uint8 codes of shape `(blocks, block)` and their
+        float32 scales `(blocks,)`; otherwise the stored tensor and None.
+    """
+    x = ops.cast(x, "float32")
+    if fmt == "float32":
+        return x, None
+    if fmt == "bfloat16":
+        return stochastic_round_bfloat16(x, random_bits(tuple(x.shape), seed)), None
+    if fmt != "int8":
+        raise ValueError(f"Unknown moment format {fmt!r}; expected one of {MOMENT_FORMATS}.")
+    values = _blocks(x, block)
+    scale = ops.max(ops.abs(values), axis=1)
+    safe = ops.where(scale > 0, scale, 1.0)
+    normalized = ops.abs(values) / ops.expand_dims(safe, 1)
+    noise = _uniform(tuple(values.shape), seed)
+    if signed:
+        level = ops.power(normalized, 1.0 / _SIGNED_POWER) * _SIGNED_TOP
+        magnitude = ops.minimum(ops.floor(level + noise), _SIGNED_TOP)
+        code = ops.where(values < 0, 128.0 + magnitude, magnitude)  # sign in the top bit
+    else:
+        level = ops.power(normalized, 1.0 / _UNSIGNED_POWER) * _UNSIGNED_TOP
+        code = ops.minimum(ops.floor(level + noise), _UNSIGNED_TOP)
+        code = ops.where(values > 0, ops.maximum(code, 1.0), 0.0)  # no zero for v > 0
+    return ops.cast(code, "uint8"), scale
+
+
+def decode_moment(codes, scales, fmt: str, signed: bool, shape):
+    """The float32 moment of `shape` that `encode_moment`'s output stands for."""
+    if fmt != "int8":
+        return ops.cast(codes, "float32")
+    code = ops.cast(codes, "float32")
+    if signed:
+        negative = code >= 128.0
+        magnitude = ops.where(negative, code - 128.0, code)
+        value = ops.power(magnitude / _SIGNED_TOP, _SIGNED_POWER)
+        value = ops.where(negative, -value, value)
+    else:
+        value = ops.power(code / _UNSIGNED_TOP, _UNSIGNED_POWER)
+    value = value * ops.expand_dims(scales, 1)
+    size = math.prod(shape)
+    return ops.reshape(ops.reshape(value, (-1,))[:size], shape)
