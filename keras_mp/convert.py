@@ -74,11 +74,26 @@ def plan(
 def _check_model(model) -> None:
     if not isinstance(model, keras.Model):
         raise ValueError(f"convert() takes a keras.Model. Received: {type(model).__name__}")
-    if not model.built:
-        raise ValueError(
-            f"Model {model.name!r} is not built: call it on data or use model.build(shape) "
-            "before convert(), so that there are weights to carry over."
-        )
+    if model.built:
+        return
+    # A container never called itself (a subclassed model holding built sub-models) has
+    # all its weights in its layers: it converts as it is and is built by its first call.
+    layers = model._flatten_layers(include_self=False, recursive=True)
+    unbuilt = [x for x in layers if not x.built]
+    if layers and not unbuilt:
+        return
+    what = (
+        f"its layer(s) {', '.join(repr(x.path or x.name) for x in unbuilt[:5])}"
+        + (f" and {len(unbuilt) - 5} more" if len(unbuilt) > 5 else "")
+        + " have no weights yet"
+        if unbuilt
+        else "it has no layers with weights"
+    )
+    raise ValueError(
+        f"Model {model.name!r} is not built: {what}. Call the model on data or use "
+        "model.build(shape) (or build those layers) before convert(), so that there are "
+        "weights to carry over."
+    )
 
 
 def saved_by_a_graph(layer, parents: dict, model: keras.Model) -> bool:
@@ -117,8 +132,8 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     for layer in layers:
         if isinstance(layer, keras.layers.InputLayer) or layer.quantization_mode is not None:
             continue
-        if keep_list.serializes_its_layers(layer) and where.get(id(layer)) not in the_plan.float32:
-            continue  # a nested Functional/Sequential container: its layers decide
+        # A nested Functional/Sequential container computes nothing itself (its layers
+        # decide), but it reports a dtype: the base one unless pinned, as in stock Keras.
         want = float32 if where.get(id(layer)) in the_plan.float32 else base
         if not layer.path or saved_by_a_graph(layer, parents, model):
             layer._dtype_policy = want
