@@ -18,12 +18,15 @@ class Pin:
         reason: why: the keep-list entry, `"source model"` (float32 in a low-precision
             source model), or a calibration finding.
         note: how the pin was placed, e.g. lifted from a sublayer.
+        cost: its share of the model's matmul FLOPs, where measured (calibration, the
+            run check).
     """
 
     path: str
     class_name: str
     reason: str
     note: str = ""
+    cost: float | None = None
 
 
 @dataclasses.dataclass
@@ -41,6 +44,7 @@ class Plan:
         float32: addresses (see `addresses`) of every layer that runs in float32: the
             pins and their sublayers.
         calibration: the `keras_mp.calibrate.Calibration` behind a calibrated plan.
+        check: the `keras_mp._runcheck.RunCheck` of the run check, if it ran.
     """
 
     policy: Any
@@ -49,6 +53,7 @@ class Plan:
     notes: list = dataclasses.field(default_factory=list)
     float32: set = dataclasses.field(default_factory=set, repr=False)
     calibration: Any = dataclasses.field(default=None, repr=False)
+    check: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def policy_name(self) -> str:
@@ -61,6 +66,7 @@ class Plan:
             "swaps": dict(self.swaps),
             "notes": list(self.notes),
             "calibration": None if self.calibration is None else self.calibration.to_dict(),
+            "check": None if self.check is None else self.check.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -69,10 +75,14 @@ class Plan:
         ]
         for p in self.pins:
             note = f"; {p.note}" if p.note else ""
+            if p.cost is not None:
+                note += f"; {100 * p.cost:.1f}% of the matmul FLOPs"
             lines.append(f"  {p.path} ({p.class_name}): {p.reason}{note}")
         if self.swaps:
             lines.append(f"  {len(self.swaps)} stock layer(s) replaced by keras_mp versions")
         lines += [f"  note: {n}" for n in self.notes]
         if self.calibration is not None:
             lines += ["  " + line for line in self.calibration.summary()]
+        if self.check is not None:
+            lines += ["  " + line for line in self.check.summary()]
         return "\n".join(lines)

@@ -21,8 +21,8 @@ from typing import Any
 import keras
 from keras.src.utils.tracking import DotNotTrackScope
 
+from keras_mp import _runcheck, keep_list
 from keras_mp import calibrate as calibration
-from keras_mp import keep_list
 from keras_mp._probe import trace
 from keras_mp.model_copy import copy_model, pair_layers, recast_variables
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
@@ -212,6 +212,7 @@ def convert(
     margin: float = calibration.DEFAULT_MARGIN,
     max_batches: int = 8,
     loss: Any = None,
+    check: str | None = "forward",
 ) -> keras.Model:
     """Returns a copy of `model` running under `policy`, with its weights.
 
@@ -228,6 +229,15 @@ def convert(
     a tensor past the compute dtype's largest value / `margin` on those batches are pinned
     too, and the converted model is checked on them (see `keras_mp.calibrate`); the plan
     reports each pin's measured maximum against the limit and the FLOPs moved to float32.
+
+    The converted model is then run once on a batch (`check`, on by default: the first
+    calibration batch, or one made from the model's input specs): a layer that cannot run
+    in the compute dtype (an op without a float16 kernel, a dtype error inside the layer)
+    is pinned to float32 alone, its sublayers left as they were, and the model converted
+    and run again, until it runs (see `keras_mp._runcheck`). With `check="train"` one
+    compiled gradient step runs too, and layers whose backward XLA cannot compile in the
+    low dtype (bilinear resizing on TensorFlow) are pinned. Each such pin's reason is the
+    error it fixed; the plan's `check` reports them and their share of the FLOPs.
 
     Any model Keras runs converts: the model is copied as it is (no `get_config()` round
     trip of its layers), so keras_hub backbones and tasks, `keras.applications`, Functional,
@@ -248,13 +258,18 @@ def convert(
         max_batches: At most this many batches of `calibrate` are used.
         loss: With targets in `calibrate`, the gradient range is checked too (default: the
             compiled loss, if any).
+        check: `"forward"` (default): run the converted model once and pin the layers
+            that raise in the compute dtype; `"train"`: also compile one gradient step
+            (XLA on TensorFlow) and pin what fails there; None: no run check. Not run for
+            a `Plan` (it is applied as it is) or a float32 policy.
 
     Returns:
         A new, built `keras.Model` of the same class.
 
     Raises:
-        ValueError: for an unknown policy name, an unbuilt model, or a model that can be
-            neither copied nor rebuilt (the message names the reason).
+        ValueError: for an unknown policy name, an unbuilt model, a model that can be
+            neither copied nor rebuilt (the message names the reason), or a layer that
+            fails in the compute dtype though pinned (the message names it).
 
     Example:
 
@@ -265,16 +280,32 @@ def convert(
     ```
     """
     _check_model(model)
+    if check not in (None, *_runcheck.CHECKS):
+        raise ValueError(
+            f"convert: `check` must be one of {[*_runcheck.CHECKS, None]}. Received: {check!r}"
+        )
     if isinstance(policy, keep_list.Plan):
         if calibrate is not None:
             raise ValueError("convert: pass `calibrate` to kmp.plan, or a policy, not a plan.")
         return _converted(model, policy)
     policy = as_policy(policy)
     _warn_unmatched(model, policy)
+    x, inputs = None, ""
     if calibrate is None:
-        return _converted(model, keep_list.plan(model, policy))
-    the_plan, new = _calibrated(model, policy, calibrate, margin, max_batches, loss)
-    return new if new is not None else _converted(model, the_plan)
+        the_plan, new = keep_list.plan(model, policy), None
+    else:
+        the_plan, new = _calibrated(model, policy, calibrate, margin, max_batches, loss)
+        x, inputs = calibration.batches(calibrate, 1)[0][0], "calibration batch"
+    if check is None or not policy.is_low_precision:
+        return new if new is not None else _converted(model, the_plan)
+    if x is None:
+        x, inputs = _runcheck.sample_inputs(model), "made from model.inputs"
+    if x is None:
+        the_plan.notes.append(
+            "run check skipped: the model has no input specs; pass a batch as `calibrate`")
+        return new if new is not None else _converted(model, the_plan)
+    return _runcheck.checked(model, the_plan, x, inputs, train=check == "train",
+                             convert=lambda p: _converted(model, p))
 
 
 def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:

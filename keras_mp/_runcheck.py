@@ -1,0 +1,407 @@
+"""The run check: a converted model must run in its compute dtype; what cannot is pinned.
+
+Some layers cannot run in a low dtype at all: an op without a float16 kernel (keras_hub's
+`ESMRotaryEmbedding` builds a `range` in its compute dtype, which TensorFlow has no
+float16 kernel for), or a backward pass XLA cannot compile (TensorFlow's XLA gradient of a
+bilinear resize in float16/bfloat16). `repair` runs the converted model on one batch with
+every layer's `call` watched (`keras_mp._probe`'s hooks): the innermost layer whose call
+raised is pinned to float32, alone (its own math; its sublayers keep their dtype), and the
+model is converted and run again. Layers of the same keras_hub/user class are pinned in the
+same round (same code, same failure); Keras' own layers one at a time. A pin that makes its
+parent fail (a float32 output in a block's low-precision math) is followed by the parent's
+pin, so the smallest enclosing layer that runs is what ends up pinned. With `train=True`
+one gradient step (XLA on TensorFlow, `jax.jit` on JAX) is compiled and run too; where it
+fails, the layers that resize (`interpolation`, not nearest) are pinned, the usual culprit.
+
+Each pin's reason is the first line of the error it fixed; the FLOP shares go in the
+plan (`Plan.check`). Nothing here imports TensorFlow at module level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable
+
+import keras
+import numpy as np
+
+from keras_mp import calibrate as calibration
+from keras_mp import keep_list
+from keras_mp._probe import _hooked
+
+__all__ = ["CHECKS", "RunCheck", "RunFailure", "checked", "forward_failure", "repair",
+           "sample_inputs", "train_failure"]
+
+CHECKS = ("forward", "train")
+_ROUNDS = 16
+_SEQ = 8
+_IMAGE = 64
+
+
+@dataclasses.dataclass
+class RunFailure:
+    """Where a run failed: the innermost layer whose call raised (None: outside any
+    layer), its address, and the error's first line."""
+
+    layer: keras.layers.Layer | None
+    address: str | None
+    error: str
+
+
+@dataclasses.dataclass
+class RunCheck:
+    """What the run check did (a plan's `check`).
+
+    Attributes:
+        mode: "forward" (one eager call) or "train" (also one compiled gradient step).
+        inputs: where the batch came from ("calibration batch", "model.inputs").
+        pinned: `address -> reason` of the layers the check pinned.
+        checked: whether the converted model ran (False: the check could not run; see
+            `notes`).
+        seconds: the time the check took.
+        fp32_flops: share of the model's matmul FLOPs in float32 (every pin).
+        check_flops: share of them that the check's pins added.
+        notes: what the check could not do.
+    """
+
+    mode: str
+    inputs: str = ""
+    pinned: dict = dataclasses.field(default_factory=dict)
+    checked: bool = False
+    seconds: float = 0.0
+    fp32_flops: float | None = None
+    check_flops: float | None = None
+    notes: list = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> list:
+        lines = [
+            f"run check ({self.mode}, {self.inputs or 'no batch'}): "
+            + (f"{len(self.pinned)} layer(s) pinned because they cannot run in the compute "
+               "dtype" if self.checked else "not run")
+            + f" ({self.seconds:.1f} s)"
+        ]
+        if self.pinned and self.fp32_flops is not None:
+            lines.append(
+                f"cost: {100 * self.fp32_flops:.1f}% of the matmul FLOPs run in float32 "
+                f"({100 * (self.check_flops or 0):.1f}% for the run check)"
+            )
+        return lines + [f"note: {n}" for n in self.notes]
+
+
+def _first_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    return text.splitlines()[0][:240]
+
+
+def sample_inputs(model: keras.Model, batch_size: int = 2):
+    """A batch built from a Functional model's input specs, or None.
+
+    Unknown sizes become `batch_size` (first axis), 64 (the spatial axes of an image) or
+    8; integer and boolean inputs (token ids, masks) are ones, float inputs uniform in
+    [0, 1). A model without `inputs` (subclassed) gets None: pass a batch instead.
+    """
+    try:
+        specs = model.inputs
+    except (AttributeError, ValueError):
+        return None
+    if not specs:
+        return None
+    rng = np.random.default_rng(0)
+
+    def make(spec):
+        shape = list(spec.shape)
+        rank = len(shape)
+        dims = [batch_size if i == 0 and d is None else
+                (_IMAGE if rank == 4 and d is None else (d if d is not None else _SEQ))
+                for i, d in enumerate(shape)]
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        if dtype == "bool":
+            return np.ones(dims, bool)
+        if "int" in dtype:
+            return np.ones(dims, dtype)
+        return rng.uniform(size=dims).astype("float32")
+
+    structure = getattr(model, "_inputs_struct", None)
+    if isinstance(structure, dict):
+        return {k: make(v) for k, v in structure.items()}
+    made = [make(s) for s in specs]
+    return made[0] if len(made) == 1 else made
+
+
+def _named_in(error: BaseException, where: dict, layers: list):
+    """The layer whose address the error text names (an op's name scope), deepest first."""
+    text = str(error)
+    by_address = {where[id(x)]: x for x in layers}
+    for address in sorted(by_address, key=len, reverse=True):
+        if "/" in address and address + "/" in text:
+            return by_address[address]
+    return None
+
+
+def _compiled_call(model, x):
+    """`model(x)` as `predict` runs it: a `tf.function` on TensorFlow (some ops have no
+    float16 kernel in a graph though they run eagerly), `jax.jit` on JAX."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        logger, level = tf.get_logger(), tf.get_logger().level
+        logger.setLevel("ERROR")  # each check traces a new function: no retracing warning
+        try:
+            return tf.function(lambda batch: model(batch, training=False))(x)
+        finally:
+            logger.setLevel(level)
+    if backend == "jax":
+        import jax
+
+        trainable = [v.value for v in model.trainable_variables]
+        frozen = [v.value for v in model.non_trainable_variables]
+        return jax.jit(lambda a, b, batch: model.stateless_call(a, b, batch)[0])(
+            trainable, frozen, x)
+    return model(x, training=False)
+
+
+def forward_failure(model: keras.Model, x) -> RunFailure | None:
+    """Calls `model` on `x` once, compiled as `predict` runs it; None if it ran, else where
+    it failed: the innermost layer whose call raised, or the layer an op error names."""
+    layers, _ = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    found: list = []
+
+    def watch(layer, call):
+        def watched(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            except Exception as e:
+                if not found:  # the innermost layer sees the error first
+                    found.append((layer, e))
+                raise
+
+        return watched
+
+    try:
+        _hooked(model, watch, lambda: _compiled_call(model, x))
+    except Exception as e:  # noqa: BLE001 - reported, then pinned or re-raised by the caller
+        if found:
+            layer, inner = found[0]
+            return RunFailure(layer, where.get(id(layer)), _first_line(inner))
+        layer = _named_in(e, where, layers)
+        return RunFailure(layer, where.get(id(layer)), _first_line(e))
+    return None
+
+
+def _objective(outputs):
+    total = 0.0
+    for t in keras.tree.flatten(outputs):
+        dtype = keras.backend.standardize_dtype(getattr(t, "dtype", "int32"))
+        if keras.backend.is_float_dtype(dtype):
+            total = total + keras.ops.mean(keras.ops.cast(t, "float32"))
+    return total
+
+
+def train_failure(model: keras.Model, x) -> str | None:
+    """Compiles and runs one gradient step of `model` on `x` (the mean of its floating
+    outputs as the loss; XLA on TensorFlow, `jax.jit` on JAX). None if it ran, else the
+    error's first line. Weights are not changed. Other backends: None (not checked)."""
+    backend = keras.backend.backend()
+    try:
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            variables = model.trainable_variables
+
+            @tf.function(jit_compile=True)
+            def step(batch):
+                with tf.GradientTape() as tape:
+                    loss = _objective(model(batch, training=True))
+                return tape.gradient(loss, variables)
+
+            grads = step(x)
+        elif backend == "jax":
+            import jax
+
+            trainable = [v.value for v in model.trainable_variables]
+            frozen = [v.value for v in model.non_trainable_variables]
+
+            def loss(values):
+                out, _ = model.stateless_call(values, frozen, x, training=True)
+                return _objective(out)
+
+            grads = jax.jit(jax.grad(loss))(trainable)
+        else:
+            return None
+        for g in grads:
+            if g is not None:
+                np.asarray(keras.ops.convert_to_numpy(g))  # block until it ran
+    except Exception as e:  # noqa: BLE001 - reported, then pinned or re-raised by the caller
+        return _first_line(e)
+    return None
+
+
+def _resizes(layer) -> bool:
+    method = getattr(layer, "interpolation", None)
+    return isinstance(method, str) and method != "nearest"
+
+
+def _same_kind(layer, layers) -> list:
+    """`layer`, and the layers of its class where that class is not Keras' own."""
+    if type(layer).__module__.startswith("keras."):
+        return [layer]
+    return [x for x in layers if type(x) is type(layer)]
+
+
+def _error(address, error: str, dtype: str, why: str) -> ValueError:
+    return ValueError(
+        f"convert: the converted model cannot run in {dtype}: {why} at layer {address!r}: "
+        f"{error}. Pin it with `keep_fp32` (e.g. kmp.Policy(policy, keep_fp32=[*kmp."
+        f"DEFAULT_KEEP_FP32, {address!r}])), or pass check=None to skip the run check."
+    )
+
+
+def repair(
+    model: keras.Model,
+    make_plan: Callable,
+    convert: Callable,
+    x,
+    train: bool = False,
+    inputs: str = "",
+    pinned: dict | None = None,
+) -> tuple:
+    """Converts `model`, runs the result on `x`, and pins what fails, until it runs.
+
+    Args:
+        model: The source model (float32).
+        make_plan: `exact -> Plan`, where `exact` maps source addresses to reasons (layers
+            pinned alone, see `keep_list.plan`).
+        convert: `Plan -> converted model`.
+        x: One batch of inputs.
+        train: Also compile and run one gradient step.
+        inputs: Where `x` came from (for the report).
+        pinned: Pins already found (address -> reason), kept.
+
+    Returns:
+        `(plan, converted model, RunCheck)`; the plan's `check` is the RunCheck.
+
+    Raises:
+        ValueError: naming the layer and the option, when a failure cannot be pinned
+            away (it is not in a layer, pinning did not fix it, or float32 fails too).
+    """
+    began = time.perf_counter()
+    result = RunCheck("train" if train else "forward", inputs)
+    exact = dict(pinned or {})
+    layers, parents = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    source = {where[id(x_)]: x_ for x_ in layers}
+    the_plan = make_plan(exact)
+    new = convert(the_plan)
+    dtype = the_plan.policy.compute_dtype
+    fp32_ok = None
+    trained = not train
+    for _ in range(_ROUNDS):
+        failure = forward_failure(new, x)
+        stage = "its forward pass fails"
+        if failure is None and not trained:
+            error = train_failure(new, x)
+            if error is None:
+                trained = True
+            else:
+                stage = "its compiled gradient step fails"
+                failure = RunFailure(None, None, error)
+        if failure is None:
+            result.checked = True
+            break
+        if fp32_ok is None:  # a batch float32 cannot run either says nothing about dtypes
+            fp32_ok = forward_failure(model, x) is None and (
+                stage.startswith("its forward") or train_failure(model, x) is None)
+            if not fp32_ok:
+                result.notes.append(f"the float32 model fails on this batch too ({failure.error})")
+                break
+        if failure.address is None and stage.startswith("its compiled"):
+            low = [a for a, layer in source.items()
+                   if _resizes(layer) and a not in the_plan.float32]
+            if not low:
+                raise _error(model.name, failure.error, dtype, stage)
+            for a in low:
+                exact[a] = f"run check: gradient step fails in {dtype} ({failure.error})"
+        else:
+            target = source.get(failure.address)
+            if target is None:
+                raise _error(failure.address or model.name, failure.error, dtype, stage)
+            if failure.address in the_plan.float32:  # pinned already: its parent next
+                target = parents.get(id(target))
+                if target is None or isinstance(target, keras.Model) or (
+                    where[id(target)] in the_plan.float32
+                ):
+                    raise _error(failure.address, failure.error, dtype, stage)
+            for layer in _same_kind(target, layers):
+                a = where[id(layer)]
+                if a not in the_plan.float32:
+                    exact[a] = f"run check: {failure.error}"
+        the_plan = make_plan(exact)
+        new = convert(the_plan)
+    else:
+        raise _error(model.name, "still failing", dtype, f"after {_ROUNDS} rounds of pins")
+    result.pinned = {a: r for a, r in exact.items() if a in the_plan.float32}
+    result.seconds = time.perf_counter() - began
+    the_plan.check = result
+    new.precision_plan = the_plan
+    return the_plan, new, result
+
+
+def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable) -> keras.Model:
+    """`convert(the_plan)`, run on `x`, with the pins `repair` finds added to the plan and
+    their FLOP shares measured (on the calibration's ranges, else one traced call).
+
+    Args:
+        model: The source model.
+        the_plan: The keep-list's (or calibrated) plan.
+        x: One batch of inputs.
+        inputs: Where `x` came from (for the report).
+        train: Also compile and run one gradient step.
+        convert: `Plan -> converted model`.
+
+    Returns:
+        The converted model; its `precision_plan.check` is the `RunCheck`.
+    """
+    policy, cal = the_plan.policy, the_plan.calibration
+    layers, _ = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    layer_at = {where[id(layer)]: layer for layer in layers}
+    extra = [(layer_at[a], r) for a, r in (cal.pinned if cal else {}).items() if a in layer_at]
+
+    def make_plan(exact: dict):
+        if not exact:
+            return the_plan
+        result = keep_list.plan(model, policy, extra=extra,
+                                exact=[(layer_at[a], r) for a, r in exact.items()])
+        result.calibration, result.notes = cal, [*the_plan.notes, *result.notes]
+        return result
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # warned once already
+        new_plan, new, check = repair(model, make_plan, convert, x, train=train, inputs=inputs)
+    if check.pinned:
+        ranges = cal.ranges if cal is not None else calibration.measure(model, [(x, None)])
+        check.fp32_flops, check.check_flops = calibration.flop_shares(
+            ranges, new_plan.float32, set(check.pinned))
+        new_plan.pins = [_with_cost(p, ranges, new_plan.float32) for p in new_plan.pins]
+        if cal is not None:
+            base = keep_list.plan(model, policy).float32
+            cal.fp32_flops, cal.range_flops = calibration.flop_shares(
+                ranges, new_plan.float32, new_plan.float32 - base - set(check.pinned))
+    return new
+
+
+def _with_cost(pin, ranges: dict, float32: set):
+    """`pin` with its share of the matmul FLOPs (the layer, and its pinned sublayers)."""
+    total = sum(r.flops for r in ranges.values())
+    if not total:
+        return pin
+    own = [pin.path] + ([] if pin.note == "its own math only" else
+                        [a for a in float32 if a.startswith(pin.path + "/")])
+    return dataclasses.replace(pin, cost=sum(ranges[a].flops for a in own if a in ranges) / total)

@@ -1,0 +1,134 @@
+"""The run check: convert runs the converted model and pins the layers that cannot run in
+the compute dtype (keras_mp._runcheck)."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp as kmp
+from keras_mp import _runcheck
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class RangeScale(keras.layers.Layer):
+    """Multiplies by positions built with `arange` in the compute dtype, as keras_hub's
+    ESMRotaryEmbedding does: TensorFlow has no float16 `Range` kernel in a graph."""
+
+    def call(self, x):
+        positions = keras.ops.arange(0, x.shape[-1], dtype=self.compute_dtype)
+        return x * (1.0 + positions / 100.0)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class Block(keras.layers.Layer):
+    """A block with its own math around a sublayer that fails in float16."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, name="dense", dtype=self.dtype_policy)
+        self.scale = RangeScale(name="scale", dtype=self.dtype_policy)
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+        self.scale.build((None, 8))
+
+    def call(self, x):
+        return x + keras.ops.cast(self.scale(self.dense(x)), x.dtype)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class Tiny(keras.Model):
+    """A Functional model that builds its own layers, as keras_hub's backbones do: its
+    config saves its dtype (on conversion, the plan's `DTypePolicyMap`), which every layer
+    gets and resolves by its path."""
+
+    def __init__(self, dtype=None, **kwargs):
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(8, name="embed", dtype=dtype)(inputs)
+        h = Block(name="block_0", dtype=dtype)(h)
+        h = Block(name="block_1", dtype=dtype)(h)
+        outputs = keras.layers.Dense(4, name="head", dtype=dtype)(h)
+        super().__init__(inputs, outputs, dtype=dtype, **kwargs)
+
+    def get_config(self):
+        return {"name": self.name, "trainable": self.trainable,
+                "dtype": keras.dtype_policies.serialize(self.dtype_policy)}
+
+
+def _model():
+    return Tiny()
+
+
+X = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+
+
+@pytest.mark.tf_only  # JAX has float16 arange
+def test_layer_without_a_float16_kernel_is_pinned_alone_and_the_model_runs(tmp_path):
+    model = _model()
+    reference = keras.ops.convert_to_numpy(model(X))
+    unchecked = kmp.convert(model, "mixed_float16", check=None)
+    with pytest.raises(Exception, match="(?i)range|dtype"):
+        unchecked.predict_on_batch(X)
+
+    converted = kmp.convert(model, "mixed_float16")
+    plan = converted.precision_plan
+    assert [p.path for p in plan.pins] == ["block_0/scale", "block_1/scale"]
+    assert all(p.reason.startswith("run check: ") for p in plan.pins)
+    assert plan.check.checked and plan.check.inputs == "made from model.inputs"
+    assert plan.check.fp32_flops == 0.0  # the pinned layers have no matmul
+    # Only the failing layer runs in float32: the block's dense and own math stay float16.
+    assert converted.get_layer("block_0").dense.compute_dtype == "float16"
+    assert converted.get_layer("block_0").compute_dtype == "float16"
+    assert converted.get_layer("block_0").scale.compute_dtype == "float32"
+    got = keras.ops.convert_to_numpy(keras.ops.cast(converted.predict_on_batch(X), "float32"))
+    assert np.abs(got - reference).max() / np.abs(reference).max() < 1e-2
+    assert "run check (forward, made from model.inputs): 2 layer(s) pinned" in str(plan)
+
+    path = os.path.join(tmp_path, "m.keras")
+    converted.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.get_layer("block_1").scale.compute_dtype == "float32"
+    assert loaded.get_layer("block_1").dense.compute_dtype == "float16"
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(keras.ops.cast(loaded.predict_on_batch(X), "float32")),
+        got, atol=1e-6)
+
+
+def test_check_argument_is_validated():
+    with pytest.raises(ValueError, match="`check` must be one of"):
+        kmp.convert(_model(), "mixed_float16", check="backward")
+
+
+def test_models_that_run_get_no_pin_and_a_report():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    plan = kmp.convert(model, "mixed_bfloat16").precision_plan
+    assert plan.check.checked and not plan.check.pinned
+    assert plan.to_dict()["check"]["mode"] == "forward"
+
+
+def test_sample_inputs_follow_the_input_specs():
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    image = keras.Input((None, None, 3), name="image")
+    model = keras.Model({"ids": ids, "image": image},
+                        keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(image)))
+    x = _runcheck.sample_inputs(model)
+    assert x["ids"].shape == (2, 8) and x["ids"].dtype == np.int32 and (x["ids"] == 1).all()
+    assert x["image"].shape == (2, 64, 64, 3) and x["image"].dtype == np.float32
+
+
+@pytest.mark.tf_only
+def test_failure_that_pinning_cannot_fix_names_the_layer_and_the_option():
+    @keras.saving.register_keras_serializable(package="keras_mp_tests")
+    class AlwaysFails(keras.layers.Layer):
+        def call(self, x):
+            if self.compute_dtype == "float16" or x.dtype == "float16":
+                raise ValueError("no float16 here")
+            return x
+
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(8, name="embed")(inputs)
+    model = keras.Model(inputs, AlwaysFails(name="picky")(h))
+    # Pinned, the layer gets float32 inputs (Keras casts them) and runs: no error.
+    assert [p.path for p in kmp.convert(model, "mixed_float16").precision_plan.pins] == ["picky"]
