@@ -72,12 +72,18 @@ def wants_keras_mp_scaler(model: keras.Model) -> bool:
 
 def _lean_policy_in_sight(model) -> bool:
     from keras_mp import policies
+    from keras_mp.lean import LeanOptimizer
 
-    policy = model.dtype_policy
-    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
-        policy = policy.default_policy
-    if isinstance(policy, policies.Policy):
-        return policy.is_lean
+    def lean(policy) -> bool:
+        if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+            policy = policy.default_policy
+        return isinstance(policy, policies.Policy) and policy.is_lean
+
+    # the model's own policy or its layers' map, or a recompile of a lean model
+    if any(lean(x.dtype_policy) for x in model._flatten_layers(include_self=True)):
+        return True
+    if isinstance(getattr(model, "optimizer", None), LeanOptimizer):
+        return True
     remembered = policies.remembered_policy()
     return remembered is not None and remembered.is_lean
 
@@ -127,6 +133,8 @@ def _after_compile(model, arguments: dict) -> None:
     if wants_lean_optimizer(model):
         with DotNotTrackScope():
             model.optimizer = LeanOptimizer(opt)  # names what it supports otherwise
+        # Saved with the model, so loading restores the lean optimizer and its variables.
+        model._compile_config.config["optimizer"] = model.optimizer
         return
     if not wants_keras_mp_scaler(model):
         return

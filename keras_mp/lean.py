@@ -101,7 +101,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         rounding: str = DEFAULT_ROUNDING,
         moments: str = DEFAULT_MOMENTS,
         block_size: int = 2048,
-        min_quantized_size: int = 4096,
+        min_quantized_size: int = 64,
         name: str | None = None,
         **kwargs,
     ):
@@ -281,6 +281,25 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 self.assign(comp, compensation)
         else:
             self.assign(variable, ops.cast(target, variable.dtype))
+
+    def weights_float32(self) -> list:
+        """The float32 values the trainable weights stand for (bfloat16 weight plus its
+        compensation), in the order of the variables the optimizer was built with.
+
+        Returns:
+            A list of float32 tensors.
+        """
+        if not self.built:
+            raise ValueError("LeanOptimizer.weights_float32(): the optimizer is not built.")
+        out = []
+        for variable, slot in zip(self._trainable_variables, self._slots):
+            comp = slot["compensation"]
+            out.append(
+                lean_codecs.decode_weight(
+                    variable.value, None if comp is None else comp.value, self.rounding
+                )
+            )
+        return out
 
     # -- EMA in float32 --------------------------------------------------------------------
 

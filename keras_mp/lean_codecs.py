@@ -11,8 +11,9 @@ Weights (`encode_weight` / `decode_weight`):
 
 - `"kahan"`: the bfloat16 weight is the float32 target rounded to nearest; what the
   rounding lost is kept in an int8 compensation buffer in units of 1/254 of the weight's
-  bfloat16 ulp (Kahan summation with a compact buffer: about 16 significant bits, 3 bytes
-  a parameter). Small updates accumulate in the buffer until they move the weight.
+  bfloat16 ulp, rounded stochastically (Kahan summation with a compact buffer: about 16
+  significant bits, and unbiased below that; 3 bytes a parameter). Small updates
+  accumulate in the buffer until they move the weight.
 - `"kahan16"`: the same with a bfloat16 compensation buffer (4 bytes a parameter).
 - `"stochastic"`: the weight alone, rounded up or down with probabilities that make it
   unbiased (2 bytes a parameter).
@@ -41,6 +42,7 @@ __all__ = [
     "decode_weight",
     "encode_moment",
     "encode_weight",
+    "block_for",
     "moment_shapes",
     "random_bits",
     "stochastic_round_bfloat16",
@@ -143,7 +145,8 @@ def encode_weight(target, rounding: str, seed=0):
     Args:
         target: float32 tensor, the exact new weight.
         rounding: one of `ROUNDINGS`.
-        seed: int32 scalar for `"stochastic"` (ignored otherwise).
+        seed: int32 scalar for the stochastic rounding of `"stochastic"` weights and of
+            `"kahan"`'s int8 compensation (ignored for `"kahan16"`).
 
     Returns:
         `(weight, compensation)`: the bfloat16 weight and the compensation buffer
@@ -159,7 +162,8 @@ def encode_weight(target, rounding: str, seed=0):
     if rounding != "kahan":
         raise ValueError(f"Unknown rounding {rounding!r}; expected one of {ROUNDINGS}.")
     units = residual / _bfloat16_ulp(ops.cast(weight, "float32")) * _KAHAN_STEPS
-    code = ops.clip(ops.round(units), -127.0, 127.0)
+    # Rounded stochastically: a fixed step below half a unit (ulp / 508) still adds up.
+    code = ops.clip(ops.floor(units + _uniform(tuple(target.shape), seed)), -127.0, 127.0)
     return weight, ops.cast(ops.where(ops.isfinite(code), code, 0.0), "int8")
 
 
@@ -186,11 +190,20 @@ def decode_weight(weight, compensation, rounding: str):
 # -- moments ------------------------------------------------------------------------
 
 
+def block_for(shape, block: int) -> int:
+    """The block length used for a tensor of `shape`: at most `block`, with the tensor
+    split into equal blocks (less than one value of padding per block)."""
+    size = max(1, math.prod(shape))
+    blocks = -(-size // block)
+    return -(-size // blocks)
+
+
 def moment_shapes(shape, fmt: str, block: int) -> tuple:
     """Shapes of a moment's storage: `(codes_shape, scales_shape or None)`."""
     if fmt != "int8":
         return tuple(shape), None
-    blocks = max(1, -(-math.prod(shape) // block))
+    block = block_for(shape, block)
+    blocks = -(-math.prod(shape) // block)
     return (blocks, block), (blocks,)
 
 
@@ -225,7 +238,7 @@ def encode_moment(x, fmt: str, signed: bool, seed=0, block: int = 2048):
         return stochastic_round_bfloat16(x, random_bits(tuple(x.shape), seed)), None
     if fmt != "int8":
         raise ValueError(f"Unknown moment format {fmt!r}; expected one of {MOMENT_FORMATS}.")
-    values = _blocks(x, block)
+    values = _blocks(x, block_for(tuple(x.shape), block))
     scale = ops.max(ops.abs(values), axis=1)
     safe = ops.where(scale > 0, scale, 1.0)
     normalized = ops.abs(values) / ops.expand_dims(safe, 1)

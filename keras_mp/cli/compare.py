@@ -51,6 +51,7 @@ LABELS = {
     "float16": "pure float16",
     "bfloat16": "pure bfloat16",
     CALIBRATED: "mixed float16, calibrated",
+    "lean_bfloat16": "lean bfloat16",
 }
 # Batches of the training set the calibrated mode measures (kmp.convert(..., calibrate=)).
 CALIBRATION_SAMPLES = 256
@@ -174,6 +175,8 @@ def run_policy(
         "compile_seconds": max(0.0, times[0] - steady_s) if len(times) > 1 else None,
         "wall_seconds": wall,
         "peak_memory_bytes": peak_memory(),
+        "state_bytes_per_parameter": round(kmp.state_bytes(model).per_parameter, 3),
+        "state_bytes": kmp.state_bytes(model).to_dict(),
         "frozen_fraction": last["frozen_fraction"],
         "skipped_steps": None,
         "final_loss_scale": None,
@@ -205,6 +208,7 @@ def _failed_row(policy: str, error: Exception) -> dict:
             "steps_per_second",
             "frozen_fraction",
             "peak_memory_bytes",
+            "state_bytes_per_parameter",
             "skipped_steps",
             "final_loss_scale",
         )
@@ -278,6 +282,7 @@ def run_compare(cfg: CompareConfig, progress=None) -> dict:
         A dict with `config`, `environment`, `thresholds`, `data`, `rows` (one per policy:
         `policy`, `label`, `compile`, `val_accuracy`, `val_loss`, `train_loss`,
         `accuracy_diff`, `steps_per_second`, `speed_ratio`, `peak_memory_bytes`,
+        `state_bytes_per_parameter` (persistent training state, `kmp.state_bytes`),
         `skipped_steps`, `final_loss_scale`, `frozen_fraction`, `verdict`, `history`, ...)
         and `wall_seconds`.
     """

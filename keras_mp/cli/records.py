@@ -64,6 +64,11 @@ class EpochRecorder(keras.callbacks.Callback):
         self.epochs: list[dict] = []
 
     def _weights(self):
+        from keras_mp.lean import LeanOptimizer
+
+        opt = getattr(self.model, "optimizer", None)
+        if isinstance(opt, LeanOptimizer) and opt.built:  # bfloat16 + compensation
+            return [np.asarray(w) for w in opt.weights_float32()]
         return [np.array(v.value) for v in self.model.trainable_variables]
 
     def on_epoch_begin(self, epoch, logs=None):

@@ -65,7 +65,9 @@ def format_table(results: dict):
         f"of weights unchanged over the last epoch (updates rounded away) = stalled; "
         f"non-finite loss or final train loss > {thr['diverged_loss_growth']:g}× the first "
         f"epoch's = diverged. compile: xla = jit_compile=True, default = Keras' choice. "
-        f"peak mem: device peak where the backend reports it (JAX: process peak so far)."
+        f"peak mem: device peak where the backend reports it (JAX: process peak so far). "
+        f"state B/p: bytes of persistent training state (weights, compensation, optimizer "
+        f"state, scaler) per parameter, exact from the variables (kmp.state_bytes)."
     )
     table = Table(title=title, caption=caption, caption_justify="left")
     for name, justify in [
@@ -77,6 +79,7 @@ def format_table(results: dict):
         ("steps/s", "right"),
         ("× FP32", "right"),
         ("peak mem", "right"),
+        ("state B/p", "right"),
         ("skipped", "right"),
         ("loss scale", "right"),
         ("frozen", "right"),
@@ -94,6 +97,7 @@ def format_table(results: dict):
             _num(r["steps_per_second"], ".1f"),
             _num(r["speed_ratio"], ".2f"),
             _memory(r["peak_memory_bytes"]),
+            _num(r.get("state_bytes_per_parameter"), ".2f"),
             _num(r["skipped_steps"], "d", dash="—"),
             _num(r["final_loss_scale"], ".0f", dash="—"),
             _pct(r["frozen_fraction"]),
@@ -227,6 +231,20 @@ def notes(rows: list[dict], cfg) -> list[str]:
                 f"every step skipped ({r['skipped_steps']}); the loss scale cannot help. "
                 "`keras-mp audit MODEL --data BATCH.npz` names the layers, "
                 "`kmp.convert(..., calibrate=data)` pins them."
+            )
+            continue
+        if r["policy"] == "lean_bfloat16" and r.get("state_bytes_per_parameter"):
+            mixed = next((m for m in rows if m["policy"] == "mixed_bfloat16"), None)
+            than = (
+                f" (mixed bfloat16: {mixed['state_bytes_per_parameter']:.2f})"
+                if mixed and mixed.get("state_bytes_per_parameter")
+                else ""
+            )
+            out.append(
+                f"{r['label']}: {r['state_bytes_per_parameter']:.2f} bytes of training state a "
+                f"parameter{than}: bfloat16 weights whose rounding error is kept in an 8-bit "
+                "compensation buffer, 8-bit moments, updates computed in float32 "
+                "(kmp.LeanOptimizer)."
             )
             continue
         if r["policy"] not in ("float16", "bfloat16"):

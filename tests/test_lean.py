@@ -1,0 +1,344 @@
+"""The lean training state: codecs, LeanOptimizer, the lean_bfloat16 policy."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_mp as kmp
+from keras_mp import lean_codecs as codecs
+
+BACKEND = keras.backend.backend()
+
+
+def np_(x):
+    return np.asarray(ops.convert_to_numpy(x)).astype("float32")
+
+
+# -- codecs ------------------------------------------------------------------------------
+
+
+def test_random_bits_are_uniform_and_depend_on_seed():
+    a = np_(codecs.random_bits((4096,), 1))
+    b = np_(codecs.random_bits((4096,), 2))
+    assert a.min() >= 0 and a.max() < 65536
+    assert abs(a.mean() / 65536 - 0.5) < 0.02
+    assert np.mean(a == b) < 0.01  # independent streams
+    np.testing.assert_array_equal(a, np_(codecs.random_bits((4096,), 1)))  # deterministic
+
+
+def test_stochastic_rounding_is_unbiased_and_hits_neighbours():
+    x = np.full((20000,), 1.0 + 2.0**-9, "float32")  # a quarter ulp above 1.0 in bfloat16
+    out = np_(codecs.stochastic_round_bfloat16(x, codecs.random_bits(x.shape, 7)))
+    assert set(np.unique(out)) == {1.0, 1.0 + 2.0**-7}
+    assert abs(out.mean() - x[0]) < 2e-4  # E[SR(x)] = x (nearest would give 1.0)
+    assert abs(np.mean(out > 1.0) - 0.25) < 0.02
+    inf = np.array([np.inf, -np.inf, np.nan], "float32")
+    r = np_(codecs.stochastic_round_bfloat16(inf, codecs.random_bits(inf.shape, 0)))
+    assert np.isposinf(r[0]) and np.isneginf(r[1]) and np.isnan(r[2])
+
+
+@pytest.mark.parametrize("rounding,bound", [("kahan", 2.0**-15), ("kahan16", 2.0**-15)])
+def test_kahan_encoding_keeps_about_16_bits(rounding, bound):
+    rng = np.random.default_rng(0)
+    target = (rng.normal(size=10000) * 10.0 ** rng.integers(-6, 3, size=10000)).astype("float32")
+    w, c = codecs.encode_weight(target, rounding)
+    assert keras.backend.standardize_dtype(w.dtype) == "bfloat16"
+    back = np_(codecs.decode_weight(w, c, rounding))
+    rel = np.abs(back - target) / np.abs(target)
+    assert rel.max() < bound, rel.max()
+    assert np.abs(np_(w) - target).max() > 0  # the bfloat16 weight alone is not exact
+
+
+def test_small_updates_accumulate_under_kahan_not_under_nearest():
+    # 1000 updates of 1e-4 on a weight of 1.0: each is 1/78 of a bfloat16 ulp (2**-7).
+    w32 = np.ones((8,), "float32")
+    w, c = codecs.encode_weight(w32, "kahan")
+    nearest = ml_dtypes.bfloat16(1.0)
+    for step in range(1000):
+        target = codecs.decode_weight(w, c, "kahan") + 1e-4
+        w, c = codecs.encode_weight(target, "kahan", seed=step)
+        nearest = ml_dtypes.bfloat16(np.float32(nearest) + np.float32(1e-4))
+    assert float(nearest) == 1.0  # rounded away every time
+    np.testing.assert_allclose(np_(codecs.decode_weight(w, c, "kahan")), 1.1, rtol=1e-3)
+    np.testing.assert_allclose(np_(w), 1.1, rtol=2.0**-8)  # the weight itself moved too
+
+
+def test_stochastic_weights_accumulate_in_expectation():
+    w = ops.cast(ops.ones((4096,)), "bfloat16")
+    for step in range(200):
+        w, _ = codecs.encode_weight(ops.cast(w, "float32") + 1e-4, "stochastic", seed=step)
+    assert abs(np_(w).mean() - 1.02) < 2e-3
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_moments_round_trip(signed):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 1000)).astype("float32") * np.logspace(-4, 0, 1000, dtype="float32")
+    if not signed:
+        x = x**2
+    codes, scales = codecs.encode_moment(x, "int8", signed, seed=3, block=256)
+    assert keras.backend.standardize_dtype(codes.dtype) == "uint8"
+    assert tuple(codes.shape) == (12, 250) and tuple(scales.shape) == (12,)  # equal blocks
+    back = np_(codecs.decode_moment(codes, scales, "int8", signed, x.shape))
+    big = np.abs(x) > 0.05 * np.abs(x).max()
+    rel = np.abs(back - x)[big] / np.abs(x)[big]
+    assert rel.max() < (0.1 if signed else 0.2), rel.max()
+    assert np.all(np.sign(back) == np.sign(x)) or signed
+    if not signed:
+        assert np.all(back[x > 0] > 0)  # a non-zero second moment never decodes to 0
+
+
+def test_int8_moments_follow_a_slow_average():
+    # v <- 0.999 v + 0.001 g**2 with g**2 = 1 from v = 2: a change of 0.05% per step, far
+    # below one code step; stochastic codes still follow the float32 average.
+    v, exact = np.full((1, 4096), 2.0, "float32"), 2.0
+    codes, scales = codecs.encode_moment(v, "int8", False, seed=0)
+    for step in range(1000):
+        cur = codecs.decode_moment(codes, scales, "int8", False, v.shape)
+        codes, scales = codecs.encode_moment(cur * 0.999 + 0.001, "int8", False, seed=step + 1)
+        exact = exact * 0.999 + 0.001
+    got = np_(codecs.decode_moment(codes, scales, "int8", False, v.shape)).mean()
+    assert abs(got - exact) / exact < 0.03, (got, exact)
+
+
+# -- LeanOptimizer -----------------------------------------------------------------------
+
+
+def _mlp(dtype="float32", seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(128, activation="relu", dtype=dtype)(inputs)
+    outputs = keras.layers.Dense(3, dtype=dtype)(h)
+    return keras.Model(inputs, outputs)
+
+
+def _data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 16)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
+
+
+def _train(model, opt, steps=5, **compile_kwargs):
+    x, y = _data()
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **compile_kwargs,
+    )
+    for i in range(steps):
+        model.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
+    return [np_(v.value) for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+        lambda: keras.optimizers.Adam(1e-2),
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+        lambda: keras.optimizers.SGD(0.1),
+    ],
+    ids=["adamw", "adam", "sgd_nesterov", "sgd"],
+)
+def test_float32_weights_and_moments_match_keras(make):
+    ref = _train(_mlp(), make())
+    got = _train(_mlp(), kmp.LeanOptimizer(make(), moments="float32"))
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_int8_moments_stay_close_to_keras_adamw():
+    ref = _train(_mlp(), keras.optimizers.AdamW(1e-3), steps=8)
+    got = _train(_mlp(), kmp.LeanOptimizer(keras.optimizers.AdamW(1e-3)), steps=8)
+    init = [np_(v.value) for v in _mlp().trainable_variables]
+    for a, b, w0 in zip(ref, got, init):
+        moved = np.abs(a - w0).max()
+        assert np.abs(a - b).max() < 0.15 * moved + 1e-6
+
+
+def test_bfloat16_weights_follow_mixed_bfloat16_training():
+    ref = _train(kmp.convert(_mlp(), "mixed_bfloat16"), keras.optimizers.AdamW(1e-3), steps=8)
+    model = kmp.convert(_mlp(), "lean_bfloat16")
+    assert [v.dtype for v in model.trainable_variables] == ["bfloat16"] * 4
+    _train(model, "adamw", steps=8)
+    opt = model.optimizer
+    assert isinstance(opt, kmp.LeanOptimizer) and opt.kind == "adamw"
+    exact = [np_(w) for w in opt.weights_float32()]
+    init = [np_(v.value) for v in _mlp().trainable_variables]
+    for a, b, w0 in zip(ref, exact, init):
+        # same compute dtype; the weights differ by their initial rounding to bfloat16 and
+        # the 8-bit moments: on average a small fraction of what the 8 steps moved them
+        assert np.abs(a - b).mean() < 0.2 * np.abs(a - w0).mean()
+    assert any(np.abs(b - np_(v.value)).max() > 0 for b, v in zip(exact, model.trainable_variables))
+
+
+def test_lean_state_bytes():
+    model = kmp.convert(_mlp(), "lean_bfloat16")
+    model.compile(optimizer="adamw", loss="mse")
+    lean = kmp.state_bytes(model)
+    mixed = kmp.convert(_mlp(), "mixed_bfloat16")
+    mixed.compile(optimizer="adamw", loss="mse")
+    assert kmp.state_bytes(mixed).per_parameter >= 12.0
+    assert lean.per_parameter <= 6.0, str(lean)
+    n = lean.parameters
+    assert n == 16 * 128 + 128 + 128 * 3 + 3
+    assert lean.weights == 2 * n and lean.compensation == n
+    assert "bytes/parameter" in str(lean)
+
+
+def test_policy_names_and_keep_list():
+    p = kmp.Policy("lean_bfloat16")
+    assert (p.compute_dtype, p.variable_dtype, p.is_lean) == ("bfloat16", "bfloat16", True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "pure policy" warning for lean
+        kmp.Policy("lean_bfloat16")
+    inputs = keras.Input((16,))
+    h = keras.layers.Dense(32)(inputs)
+    h = keras.layers.LayerNormalization()(h)
+    outputs = keras.layers.Dense(3, activation="softmax")(h)
+    model = kmp.convert(keras.Model(inputs, outputs), "lean_bfloat16")
+    dtypes = {v.path.split("/")[0]: v.dtype for v in model.trainable_variables}
+    assert dtypes[model.layers[1].name] == "bfloat16"
+    assert dtypes[model.layers[-1].name] == "float32"  # softmax head pinned: float32 weights
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    assert isinstance(model.optimizer, kmp.LeanOptimizer)
+    x, y = _data()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    assert model.layers[-1].kernel.dtype == "float32"
+
+
+def test_global_policy_gives_lean_optimizer():
+    kmp.set_global_policy("lean_bfloat16")
+    model = _mlp(dtype=None)
+    assert model.layers[1].kernel.dtype == "bfloat16"
+    model.compile(optimizer="sgd", loss="mse")
+    assert isinstance(model.optimizer, kmp.LeanOptimizer) and model.optimizer.kind == "sgd"
+
+
+def test_stock_bfloat16_is_left_alone():
+    keras.config.set_dtype_policy("bfloat16")  # no keras_mp policy in sight
+    model = _mlp(dtype=None)
+    model.compile(optimizer="adam", loss="mse")
+    assert type(model.optimizer) is keras.optimizers.Adam
+
+
+def test_bad_configurations_fail_with_clear_errors():
+    with pytest.raises(ValueError, match="Adam, AdamW and SGD"):
+        kmp.LeanOptimizer(keras.optimizers.RMSprop())
+    with pytest.raises(ValueError, match="amsgrad"):
+        kmp.LeanOptimizer(keras.optimizers.Adam(amsgrad=True))
+    with pytest.raises(ValueError, match="rounding"):
+        kmp.LeanOptimizer(keras.optimizers.Adam(), rounding="round")
+    with pytest.raises(ValueError, match="moments"):
+        kmp.LeanOptimizer(keras.optimizers.Adam(), moments="int4")
+    with pytest.raises(ValueError, match="block_size"):
+        kmp.LeanOptimizer(keras.optimizers.Adam(), block_size=0)
+    with pytest.raises(ValueError, match="lean_float16|Valid names"):
+        kmp.Policy("lean_float16")
+    model = kmp.convert(_mlp(), "lean_bfloat16")
+    with pytest.raises(ValueError, match="Adam, AdamW and SGD"):
+        model.compile(optimizer="rmsprop", loss="mse")
+
+
+@pytest.mark.parametrize("rounding", ["kahan", "stochastic"])
+def test_clipping_accumulation_and_ema(rounding):
+    inner = keras.optimizers.AdamW(
+        1e-3, global_clipnorm=0.1, use_ema=True, gradient_accumulation_steps=2
+    )
+    model = kmp.convert(_mlp(), "lean_bfloat16")
+    opt = kmp.LeanOptimizer(inner, rounding=rounding)
+    before = [np_(v.value) for v in model.trainable_variables]
+    _train(model, opt, steps=4)
+    averages = [a for a in opt._model_variables_moving_average if a is not None]
+    assert all(a.dtype == "float32" for a in averages)
+    assert all(a.dtype == "float32" for a in opt._accumulated_gradients)
+    after = [np_(v.value) for v in model.trainable_variables]
+    assert all(np.isfinite(a).all() for a in after)
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(after, before))
+    # 4 steps, 2 applied updates clipped to a global norm of 0.1 at lr 1e-3: small moves
+    assert max(np.abs(a - b).max() for a, b in zip(after, before)) < 0.01
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fit_with_and_without_xla(jit):
+    model = kmp.convert(_mlp(), "lean_bfloat16")
+    x, y = _data(256)
+    model.compile(
+        optimizer="adam",
+        loss=kmp.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit,
+    )
+    hist = model.fit(x, y, epochs=4, batch_size=32, verbose=0).history["loss"]
+    assert hist[-1] < 0.8 * hist[0]
+
+
+def test_save_load_and_resume_bit_identical(tmp_path):
+    x, y = _data(64)
+    model = kmp.convert(_mlp(), "lean_bfloat16")
+    loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer="adamw", loss=loss)
+    for i in range(3):
+        model.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
+    path = str(tmp_path / "lean.keras")
+    model.save(path)
+    loaded = kmp.saving.load_model(path)
+    assert isinstance(loaded.optimizer, kmp.LeanOptimizer)
+    assert [v.dtype for v in loaded.trainable_variables] == ["bfloat16"] * 4
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+        assert a.dtype == b.dtype and a.path == b.path
+        np.testing.assert_array_equal(np_(a.value), np_(b.value))
+    for m in (model, loaded):
+        for i in range(3, 6):
+            m.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
+    for a, b in zip(model.trainable_variables, loaded.trainable_variables):
+        np.testing.assert_array_equal(np_(a.value), np_(b.value))
+    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
+        np.testing.assert_array_equal(np_(a.value), np_(b.value))
+
+
+def test_keras_hub_gpt2_trains_lean():
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=32,
+        intermediate_dim=64, max_sequence_length=16,
+    )
+    model = kmp.convert(backbone, "lean_bfloat16")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, size=(32, 16)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    y = np.zeros((32, 16, 32), "float32")
+    model.compile(optimizer="adamw", loss="mse")
+    assert isinstance(model.optimizer, kmp.LeanOptimizer)
+    hist = model.fit(x, y, epochs=3, batch_size=8, verbose=0).history["loss"]
+    assert np.isfinite(hist).all() and hist[-1] < hist[0]
+    low = [v for v in model.trainable_variables if v.dtype == "bfloat16"]
+    assert len(low) > len(model.trainable_variables) // 2
+    assert kmp.state_bytes(model).per_parameter <= 6.0
+
+
+@pytest.mark.tf_only
+def test_mirrored_strategy_matches_one_device():
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lean_distribute_worker.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "TF_CONFIG")}
+    proc = subprocess.run(
+        [sys.executable, worker], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("MEANDIFF"):
+            _, policy, replicas, diff, moved = line.split()
+            rows[policy] = (int(replicas), float(diff), float(moved))
+    replicas, diff, moved = rows["lean_bfloat16"]
+    assert replicas == 2
+    # bfloat16 gradients summed across replicas round differently from one device's: the
+    # weights differ by a small fraction of what 6 steps moved them, as mixed_bfloat16's do
+    assert diff < 0.02 * moved, rows
+    assert rows["mixed_bfloat16"][1] < 0.02 * rows["mixed_bfloat16"][2], rows
