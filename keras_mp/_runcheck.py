@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable
 
 import keras
@@ -30,6 +29,7 @@ import numpy as np
 from keras_mp import calibrate as calibration
 from keras_mp import keep_list
 from keras_mp._probe import _hooked
+from keras_mp._quiet import ignoring
 
 __all__ = ["CHECKS", "RunCheck", "RunFailure", "checked", "forward_failure", "repair",
            "sample_inputs", "train_failure"]
@@ -382,8 +382,7 @@ def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable) -> 
         result.calibration, result.notes = cal, [*the_plan.notes, *result.notes]
         return result
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # warned once already
+    with ignoring(UserWarning):  # warned once already (keeps Keras' show-once record)
         new_plan, new, check = repair(model, make_plan, convert, x, train=train, inputs=inputs)
     if check.pinned:
         ranges = cal.ranges if cal is not None else calibration.measure(model, [(x, None)])

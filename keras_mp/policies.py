@@ -16,6 +16,7 @@ from typing import Any
 import keras
 
 from keras_mp import keep_list
+from keras_mp._quiet import ignoring
 
 __all__ = [
     "DEFAULT_KEEP_FP32",
@@ -337,8 +338,7 @@ def global_policy() -> Policy:
     current, remembered = current.name, _global["policy"]
     if remembered is not None and remembered.base.name == current:
         return remembered
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+    with ignoring(UserWarning):
         return Policy(current)
 
 
@@ -366,8 +366,7 @@ def policy_map(policy: Policy, plan: keep_list.Plan, model: keras.Model):
     map to the layers it cannot give a policy of their own (see `convert.apply_plan`).
     """
     float32 = keras.DTypePolicy("float32")
-    with warnings.catch_warnings():  # a pure policy warned when it was made
-        warnings.simplefilter("ignore", UserWarning)
+    with ignoring(UserWarning):  # a pure policy warned when it was made
         name = policy.name if policy.is_lean else policy.base.name
         default = Policy(name, keep_fp32=policy.keep_fp32)
     result = keras.dtype_policies.DTypePolicyMap(default_policy=default)

@@ -14,11 +14,12 @@ never imports TensorFlow on the JAX backend.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import keras
 from keras import ops, tree
+
+from keras_mp._quiet import ignoring
 
 __all__ = ["export_saved_model", "float32_clone"]
 
@@ -90,8 +91,7 @@ def float32_clone(model: keras.Model) -> keras.Model:
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("float32")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
+        with ignoring(UserWarning):
             clone = keras.saving.deserialize_keras_object(config)
     finally:
         keras.config.set_dtype_policy(previous)
