@@ -30,8 +30,8 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"   # keras_mp from this worki
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 GPT_MODEL=${GPT_MODEL:-gpt}
 RESNET_MODEL=${RESNET_MODEL:-resnet50}
-GPT_POLICIES=${GPT_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,keras_mp_mixed_bfloat16@remat,stock_mixed_float16,keras_mp_mixed_float16,stock_mixed_float16_kmp_scaler,keras_mp_float8,float32_strict}
-RESNET_POLICIES=${RESNET_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,stock_mixed_float16,keras_mp_mixed_float16}
+GPT_POLICIES=${GPT_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,keras_mp_mixed_bfloat16@remat,stock_mixed_float16,keras_mp_mixed_float16,stock_mixed_float16_kmp_scaler,keras_mp_float8,keras_mp_lean_bfloat16,float32_strict}
+RESNET_POLICIES=${RESNET_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,keras_mp_lean_bfloat16,stock_mixed_float16,keras_mp_mixed_float16}
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-2}
 TOTAL=${TOTAL_BUDGET:-480}

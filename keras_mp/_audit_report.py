@@ -90,6 +90,8 @@ class AuditReport:
             None: the layers to pin, with their measured maxima and FLOP cost.
         verdict: one line.
         advice: concrete actions.
+        state_bytes: the persistent training state (`kmp.state_bytes(model).to_dict()`:
+            weights, compensation, optimizer, scaler, total and `per_parameter`).
     """
 
     model_name: str
@@ -101,6 +103,7 @@ class AuditReport:
     proposal: Any = None
     verdict: str = ""
     advice: list = dataclasses.field(default_factory=list)
+    state_bytes: dict | None = None
 
     def __getitem__(self, name: str) -> LayerAudit:
         """The row of the layer with this path, or else the first with this name."""
@@ -154,6 +157,14 @@ class AuditReport:
                f"{self.loss_scale_source})", line(header), line(["-" * w for w in widths])]
         out += [line(r) for r in rows]
         out += [f"note: {n}" for n in self.notes]
+        if self.state_bytes:
+            sb = self.state_bytes
+            out.append(
+                f"training state: {sb['per_parameter']:.2f} bytes/parameter "
+                f"({sb['total'] / 2**20:.2f} MiB: weights {sb['weights'] / 2**20:.2f}, "
+                f"compensation {sb['compensation'] / 2**20:.2f}, optimizer "
+                f"{sb['optimizer'] / 2**20:.2f}, scaler {sb['scaler'] / 2**20:.4f})"
+            )
         out += ["", f"Verdict: {self.verdict}"]
         out += [f"  - {a}" for a in self.advice]
         return "\n".join(out)

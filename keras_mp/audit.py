@@ -66,7 +66,7 @@ def _class_names(layer) -> set:
     return {c.__name__ for c in type(layer).__mro__}
 
 
-def _fp32_reason(layer, is_output: bool, keep_fp32) -> str | None:
+def _fp32_reason(layer, is_output: bool, keep_fp32, lean: bool = False) -> str | None:
     names = _class_names(layer)
     act = getattr(layer, "activation", None)
     act_name = getattr(act, "__name__", act if isinstance(act, str) else None)
@@ -77,9 +77,10 @@ def _fp32_reason(layer, is_output: bool, keep_fp32) -> str | None:
     if names & set(_ATTENTION):
         return "attention softmax"
     if is_output and not keep_list.sublayers(layer) and not (
-        emits_logits(layer) and layer.variable_dtype == "float32"
+        emits_logits(layer) and (layer.variable_dtype == "float32" or lean)
     ):
-        # A logits projection with FP32 master weights may run low: the loss up-casts.
+        # A logits projection with FP32 master weights (or lean_bfloat16's compensated
+        # bfloat16 weights) may run low: the loss up-casts.
         return "model output"
     for entry in keep_fp32 or ():
         if isinstance(entry, type) and isinstance(layer, entry):
@@ -252,10 +253,16 @@ def audit(
         samples = len(np.asarray(keras.tree.flatten(y)[0]))
         notes.append(f"gradients of {loss_desc} on {samples} samples")
 
+    from keras_mp.autoscale import wants_lean_optimizer
+    from keras_mp.lean import LeanOptimizer
+
+    lean = isinstance(getattr(model, "optimizer", None), LeanOptimizer) or (
+        wants_lean_optimizer(model)
+    )
     rows = []
     for rec in records:
         layer = rec.layer
-        reason = _fp32_reason(layer, id(layer) in output_ids, keep_fp32)
+        reason = _fp32_reason(layer, id(layer) in output_ids, keep_fp32, lean)
         low = layer.compute_dtype in _LOW
         m = rec.output_max
         dims = _matmul_dims(layer)
@@ -288,10 +295,22 @@ def audit(
         model.dtype_policy, keras.dtype_policies.DTypePolicyMap
     )
     report = AuditReport(model.name, scale, scale_source, rows, notes, converted)
+    report.state_bytes = _state(model)
     if propose:
         report.proposal = _proposal(model, x, margin, model_fp32)
     _conclude(report, model_fp32, underflow_threshold, float16_grads=not unscaled_bf16)
     return report
+
+
+def _state(model) -> dict | None:
+    """The model's persistent training state (`kmp.state_bytes`), without building an
+    optimizer that has not been built (the audit changes nothing)."""
+    from keras_mp.memory import state_bytes
+
+    try:
+        return state_bytes(model, build=False).to_dict()
+    except ValueError:
+        return None
 
 
 def _proposal(model, x, margin: float, model_fp32: bool):

@@ -69,15 +69,21 @@ def _nbytes(variable) -> int:
     return math.prod(variable.shape) * itemsize
 
 
-def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None):
+def state_bytes(
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    build: bool = True,
+) -> StateBytes:
     """The persistent training state of `model` with `optimizer`, in bytes.
 
     Exact, from the variables' shapes and dtypes. An optimizer that is not built yet is
-    built on the model's trainable variables (as the first training step would).
+    built on the model's trainable variables (as the first training step would), unless
+    `build=False`, which counts the weights alone.
 
     Args:
         model: A built Keras model.
-        optimizer: Default: `model.optimizer` (None: the weights alone).
+        optimizer: Default: `model.optimizer` (none: the weights alone).
+        build: Whether to build an optimizer that is not built yet.
 
     Returns:
         A `StateBytes`; `print` it, or read `per_parameter`.
@@ -100,6 +106,8 @@ def state_bytes(model: keras.Model, optimizer: keras.optimizers.Optimizer | None
     parameters = sum(math.prod(v.shape) for v in model.trainable_variables)
     weights = sum(_nbytes(v) for v in model.variables)
     compensation = opt_bytes = scaler = 0
+    if optimizer is not None and not optimizer.built and not build:
+        optimizer = None
     if optimizer is not None:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)

@@ -342,3 +342,21 @@ def test_mirrored_strategy_matches_one_device():
     # weights differ by a small fraction of what 6 steps moved them, as mixed_bfloat16's do
     assert diff < 0.02 * moved, rows
     assert rows["mixed_bfloat16"][1] < 0.02 * rows["mixed_bfloat16"][2], rows
+
+
+def test_audit_reports_the_training_state():
+    model = kmp.convert(_mlp(), "lean_bfloat16")
+    loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer="adamw", loss=loss)
+    x, y = _data(16)
+    model.fit(x, y, verbose=0)
+    report = kmp.audit(model, (x, y))
+    state = report.to_dict()["state_bytes"]
+    assert state["per_parameter"] == pytest.approx(kmp.state_bytes(model).per_parameter, 1e-3)
+    assert state["per_parameter"] <= 6.0
+    assert "training state:" in str(report)
+    assert all(r.fp32_reason != "model output" for r in report.layers)  # lean's logits are fine
+    fresh = kmp.convert(_mlp(), "mixed_bfloat16")
+    fresh.compile(optimizer="adam", loss="mse")
+    kmp.audit(fresh, x)
+    assert not fresh.optimizer.built  # the audit builds nothing

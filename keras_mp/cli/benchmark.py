@@ -128,7 +128,11 @@ def add_speedups(row: dict, earlier: list) -> dict:
     row["speedup_vs_best_fp32"] = _speedup(best, row)
     dtype = POLICIES.get(row["policy"], "float32")
     if dtype != "float32" or row["policy"] == "keras_mp_float32":
-        stock_name = {"float32": "float32", "float8": "stock_mixed_bfloat16"}.get(
+        stock_name = {
+            "float32": "float32",
+            "float8": "stock_mixed_bfloat16",
+            "lean_bfloat16": "stock_mixed_bfloat16",
+        }.get(
             dtype, "stock_" + dtype
         )
         stock = next((r for r in same_jit if r["policy"] == stock_name), None)

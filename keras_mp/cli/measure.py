@@ -18,6 +18,9 @@ times its train steps and returns the JSON record of `keras_mp.cli.benchmark`. T
   keras_mp's loss scaler alone.
 - `keras_mp_float8`: `kmp.convert(model, kmp.Policy("float8"))`: FP8 Dense/EinsumDense
   (delayed scaling) over mixed_bfloat16; its `speedup_vs_stock` is against stock bf16.
+- `keras_mp_lean_bfloat16`: `kmp.convert(model, kmp.Policy("lean_bfloat16"))`, compiled
+  with AdamW (which becomes `kmp.LeanOptimizer`): bfloat16 weights with compensated
+  updates and 8-bit moments; its `speedup_vs_stock` is against stock bf16.
 
 Example:
 
@@ -64,6 +67,8 @@ POLICIES = {
     "keras_mp_mixed_float16": "mixed_float16",
     "stock_mixed_float16_kmp_scaler": "mixed_float16",  # the loss scaler's overhead alone
     "keras_mp_float8": "float8",  # FP8 matmuls over mixed_bfloat16: compared with stock bf16
+    # bf16 weights, int8 compensation and moments (kmp.LeanOptimizer): vs stock bf16
+    "keras_mp_lean_bfloat16": "lean_bfloat16",
     "float32_strict": "float32",
 }
 # A policy suffix -> jit_compile of that row. `@remat`: XLA, with XLA's rematerialization
@@ -369,6 +374,7 @@ def run_one(
         "loss": float(np.asarray(loss).reshape(-1)[0]),
         "params": int(model.count_params()),
         "optimizer": type(model.optimizer).__name__,
+        "state_bytes_per_parameter": round(_state_bytes(model), 3),
         "steps": steps,
         "warmup": warmup,
         "keras": keras.__version__,
@@ -385,6 +391,12 @@ def run_one(
     if scale is not None:
         record["loss_scale"] = float(keras.ops.convert_to_numpy(scale))
     return record
+
+
+def _state_bytes(model) -> float:
+    from keras_mp.memory import state_bytes
+
+    return state_bytes(model).per_parameter
 
 
 def _backend_version(backend: str) -> str:

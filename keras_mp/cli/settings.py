@@ -24,14 +24,21 @@ __all__ = [
 ]
 
 MODELS = ("cnn", "transformer", "mlp", "t5")
-DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
+DEFAULT_POLICIES = (
+    "float32",
+    "mixed_float16",
+    "mixed_bfloat16",
+    "lean_bfloat16",
+    "float16",
+    "bfloat16",
+)
 # Mixed float16 with the keep-list calibrated on the training data (kmp.convert(...,
 # calibrate=...)): the fix for activations past float16's range.
 CALIBRATED = "mixed_float16_calibrated"
 # bfloat16 weights with compensated updates and 8-bit moments (keras_mp.lean): ~5 bytes of
 # training state a parameter instead of 12.
 LEAN = "lean_bfloat16"
-POLICIES = DEFAULT_POLICIES + (CALIBRATED, LEAN)
+POLICIES = DEFAULT_POLICIES + (CALIBRATED,)
 # --model t5 (a T5-style encoder whose feed-forward output passes 65,504, as a trained T5's
 # does) shows the overflow and its fix side by side.
 T5_POLICIES = ("float32", "mixed_float16", CALIBRATED, "mixed_bfloat16")
