@@ -24,30 +24,22 @@ import time
 from collections.abc import Callable
 
 import keras
-import numpy as np
 
 from keras_mp import calibrate as calibration
 from keras_mp import keep_list
-from keras_mp._probe import _hooked
 from keras_mp._quiet import ignoring
+from keras_mp._trial import (
+    RunFailure,
+    finite_outputs,
+    forward_failure,
+    sample_inputs,
+    train_failure,
+)
 
-__all__ = ["CHECKS", "RunCheck", "RunFailure", "checked", "forward_failure", "repair",
-           "sample_inputs", "train_failure"]
+__all__ = ["CHECKS", "RunCheck", "checked", "repair", "run_check", "wants_train_check"]
 
-CHECKS = ("forward", "train")
+CHECKS = ("auto", "forward", "train")
 _ROUNDS = 16
-_SEQ = 8
-_IMAGE = 64
-
-
-@dataclasses.dataclass
-class RunFailure:
-    """Where a run failed: the innermost layer whose call raised (None: outside any
-    layer), its address, and the error's first line."""
-
-    layer: keras.layers.Layer | None
-    address: str | None
-    error: str
 
 
 @dataclasses.dataclass
@@ -93,159 +85,21 @@ class RunCheck:
         return lines + [f"note: {n}" for n in self.notes]
 
 
-def _first_line(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".strip()
-    return text.splitlines()[0][:240]
-
-
-def sample_inputs(model: keras.Model, batch_size: int = 2):
-    """A batch built from a Functional model's input specs, or None.
-
-    Unknown sizes become `batch_size` (first axis), 64 (the spatial axes of an image) or
-    8; integer and boolean inputs (token ids, masks) are ones, float inputs uniform in
-    [0, 1). A model without `inputs` (subclassed) gets None: pass a batch instead.
-    """
-    try:
-        specs = model.inputs
-    except (AttributeError, ValueError):
-        return None
-    if not specs:
-        return None
-    rng = np.random.default_rng(0)
-
-    def make(spec):
-        shape = list(spec.shape)
-        rank = len(shape)
-        dims = [batch_size if i == 0 and d is None else
-                (_IMAGE if rank == 4 and d is None else (d if d is not None else _SEQ))
-                for i, d in enumerate(shape)]
-        dtype = keras.backend.standardize_dtype(spec.dtype)
-        if dtype == "bool":
-            return np.ones(dims, bool)
-        if "int" in dtype:
-            return np.ones(dims, dtype)
-        return rng.uniform(size=dims).astype("float32")
-
-    structure = getattr(model, "_inputs_struct", None)
-    if isinstance(structure, dict):
-        return {k: make(v) for k, v in structure.items()}
-    made = [make(s) for s in specs]
-    return made[0] if len(made) == 1 else made
-
-
-def _named_in(error: BaseException, where: dict, layers: list):
-    """The layer whose address the error text names (an op's name scope), deepest first."""
-    text = str(error)
-    by_address = {where[id(x)]: x for x in layers}
-    for address in sorted(by_address, key=len, reverse=True):
-        if "/" in address and address + "/" in text:
-            return by_address[address]
-    return None
-
-
-def _compiled_call(model, x):
-    """`model(x)` as `predict` runs it: a `tf.function` on TensorFlow (some ops have no
-    float16 kernel in a graph though they run eagerly), `jax.jit` on JAX."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        logger, level = tf.get_logger(), tf.get_logger().level
-        logger.setLevel("ERROR")  # each check traces a new function: no retracing warning
-        try:
-            return tf.function(lambda batch: model(batch, training=False))(x)
-        finally:
-            logger.setLevel(level)
-    if backend == "jax":
-        import jax
-
-        trainable = [v.value for v in model.trainable_variables]
-        frozen = [v.value for v in model.non_trainable_variables]
-        return jax.jit(lambda a, b, batch: model.stateless_call(a, b, batch)[0])(
-            trainable, frozen, x)
-    return model(x, training=False)
-
-
-def forward_failure(model: keras.Model, x) -> RunFailure | None:
-    """Calls `model` on `x` once, compiled as `predict` runs it; None if it ran, else where
-    it failed: the innermost layer whose call raised, or the layer an op error names."""
-    layers, _ = keep_list.layer_tree(model)
-    where = keep_list.addresses(model)
-    found: list = []
-
-    def watch(layer, call):
-        def watched(*args, **kwargs):
-            try:
-                return call(*args, **kwargs)
-            except Exception as e:
-                if not found:  # the innermost layer sees the error first
-                    found.append((layer, e))
-                raise
-
-        return watched
-
-    try:
-        _hooked(model, watch, lambda: _compiled_call(model, x))
-    except Exception as e:  # noqa: BLE001 - reported, then pinned or re-raised by the caller
-        if found:
-            layer, inner = found[0]
-            return RunFailure(layer, where.get(id(layer)), _first_line(inner))
-        layer = _named_in(e, where, layers)
-        return RunFailure(layer, where.get(id(layer)), _first_line(e))
-    return None
-
-
-def _objective(outputs):
-    total = 0.0
-    for t in keras.tree.flatten(outputs):
-        dtype = keras.backend.standardize_dtype(getattr(t, "dtype", "int32"))
-        if keras.backend.is_float_dtype(dtype):
-            total = total + keras.ops.mean(keras.ops.cast(t, "float32"))
-    return total
-
-
-def train_failure(model: keras.Model, x) -> str | None:
-    """Compiles and runs one gradient step of `model` on `x` (the mean of its floating
-    outputs as the loss; XLA on TensorFlow, `jax.jit` on JAX). None if it ran, else the
-    error's first line. Weights are not changed. Other backends: None (not checked)."""
-    backend = keras.backend.backend()
-    try:
-        if backend == "tensorflow":
-            import tensorflow as tf
-
-            variables = model.trainable_variables
-
-            @tf.function(jit_compile=True)
-            def step(batch):
-                with tf.GradientTape() as tape:
-                    loss = _objective(model(batch, training=True))
-                return tape.gradient(loss, variables)
-
-            grads = step(x)
-        elif backend == "jax":
-            import jax
-
-            trainable = [v.value for v in model.trainable_variables]
-            frozen = [v.value for v in model.non_trainable_variables]
-
-            def loss(values):
-                out, _ = model.stateless_call(values, frozen, x, training=True)
-                return _objective(out)
-
-            grads = jax.jit(jax.grad(loss))(trainable)
-        else:
-            return None
-        for g in grads:
-            if g is not None:
-                np.asarray(keras.ops.convert_to_numpy(g))  # block until it ran
-    except Exception as e:  # noqa: BLE001 - reported, then pinned or re-raised by the caller
-        return _first_line(e)
-    return None
-
-
 def _resizes(layer) -> bool:
     method = getattr(layer, "interpolation", None)
     return isinstance(method, str) and method != "nearest"
+
+
+def wants_train_check(model: keras.Model, the_plan) -> list:
+    """The addresses of layers that resize bilinearly (or by any interpolation but nearest)
+    in the low dtype on TensorFlow, whose gradient TensorFlow's XLA fails to compile in
+    float16 and bfloat16 (measured on keras_hub's DeepLabV3, SegFormer and BASNet): what
+    makes `check="auto"` compile a gradient step. Empty on other backends."""
+    if keras.backend.backend() != "tensorflow":
+        return []
+    layers, _ = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    return [where[id(x)] for x in layers if _resizes(x) and where[id(x)] not in the_plan.float32]
 
 
 def _same_kind(layer, layers) -> list:
@@ -353,7 +207,8 @@ def repair(
     return the_plan, new, result
 
 
-def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable) -> keras.Model:
+def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable,
+            pinned: dict | None = None) -> keras.Model:
     """`convert(the_plan)`, run on `x`, with the pins `repair` finds added to the plan and
     their FLOP shares measured (on the calibration's ranges, else one traced call).
 
@@ -364,6 +219,7 @@ def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable) -> 
         inputs: Where `x` came from (for the report).
         train: Also compile and run one gradient step.
         convert: `Plan -> converted model`.
+        pinned: Run-check pins found before (address -> reason), kept.
 
     Returns:
         The converted model; its `precision_plan.check` is the `RunCheck`.
@@ -373,17 +229,20 @@ def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable) -> 
     where = keep_list.addresses(model)
     layer_at = {where[id(layer)]: layer for layer in layers}
     extra = [(layer_at[a], r) for a, r in (cal.pinned if cal else {}).items() if a in layer_at]
+    tight = dict(cal.tight) if cal else {}
 
     def make_plan(exact: dict):
         if not exact:
             return the_plan
+        exact = {**tight, **exact}
         result = keep_list.plan(model, policy, extra=extra,
                                 exact=[(layer_at[a], r) for a, r in exact.items()])
         result.calibration, result.notes = cal, [*the_plan.notes, *result.notes]
         return result
 
     with ignoring(UserWarning):  # warned once already (keeps Keras' show-once record)
-        new_plan, new, check = repair(model, make_plan, convert, x, train=train, inputs=inputs)
+        new_plan, new, check = repair(model, make_plan, convert, x, train=train, inputs=inputs,
+                                      pinned=pinned)
     if check.pinned:
         ranges = cal.ranges if cal is not None else calibration.measure(model, [(x, None)])
         check.fp32_flops, check.check_flops = calibration.flop_shares(
@@ -404,3 +263,47 @@ def _with_cost(pin, ranges: dict, float32: set):
     own = [pin.path] + ([] if pin.note == "its own math only" else
                         [a for a in float32 if a.startswith(pin.path + "/")])
     return dataclasses.replace(pin, cost=sum(ranges[a].flops for a in own if a in ranges) / total)
+
+
+def run_check(model, the_plan, new, x, inputs: str, check: str, convert: Callable,
+              recalibrate: Callable | None) -> keras.Model:
+    """What `convert(..., check=check)` does after planning.
+
+    Args:
+        model: The source model.
+        the_plan: The plan so far (keep-list, calibration).
+        new: The model converted under it, if calibration made one (else None).
+        x: The first calibration batch, or None (a batch is made from `model.inputs`).
+        inputs: Where `x` came from.
+        check: "auto", "forward" or "train".
+        convert: `Plan -> converted model`.
+        recalibrate: `batch -> calibrated plan`, used when the converted model's outputs
+            are non-finite in float16 on the check's batch though float32's are finite
+            (None: the user calibrated already).
+
+    Returns:
+        The converted, checked model.
+    """
+    policy = the_plan.policy
+    if x is None:
+        x, inputs = sample_inputs(model), "made from model.inputs"
+    if x is None:
+        the_plan.notes.append(
+            "run check skipped: the model has no input specs; pass a batch as `calibrate`")
+        return new if new is not None else convert(the_plan)
+    resizing = wants_train_check(model, the_plan)
+    if check == "forward" and resizing:
+        the_plan.notes.append(
+            f"{resizing[:3]} resize in {policy.compute_dtype}: TensorFlow's XLA may fail to "
+            "compile their gradient; convert(..., check='train') checks and pins them")
+    train = check == "train" or (check == "auto" and bool(resizing))
+    new = checked(model, the_plan, x, inputs, train, convert)
+    if (recalibrate is not None and policy.compute_dtype == "float16"
+            and not finite_outputs(new, x) and finite_outputs(model, x)):
+        found = new.precision_plan.check.pinned
+        the_plan = recalibrate(x)
+        the_plan.notes.append(
+            f"non-finite outputs in float16 on the run check's batch ({inputs}): calibrated "
+            "on it; pass your own batches as `calibrate`")
+        new = checked(model, the_plan, x, inputs, train, convert, pinned=found)
+    return new

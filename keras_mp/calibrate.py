@@ -13,8 +13,12 @@ it flows through and the norm that finally tames it are pinned, and the pinned o
 in float32 from one pinned layer to the next. Under bfloat16 (float32's range) nothing is
 pinned for range. `keras_mp.convert(..., calibrate=data)` applies the pins with the
 keep-list's rules (a pin inside a block pins the block) and then checks the converted model
-on the same batches: a layer whose output is non-finite in the low dtype though finite in
-float32 (an internal tensor, e.g. attention scores, overflowed) is pinned too.
+on the same batches: where a layer's output is non-finite in the low dtype though finite in
+float32 (an internal tensor overflowed), the smallest pin that the check confirms is kept:
+the layer alone when it overflowed itself (a norm whose statistics run in the input dtype),
+else the layer whose own math fed it the non-finite tensor (an attention layer's mask,
+bias and scores), alone, its projections left in the low dtype; then that layer with its
+query and key projections; only then its whole block (`calibrated_plan`).
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ import keras
 import ml_dtypes
 import numpy as np
 
+from keras_mp import keep_list
 from keras_mp._probe import activation_gradients, matmul_flops, trace, unpack
 
 __all__ = [
     "Calibration",
     "LayerRange",
     "batches",
+    "calibrated_plan",
     "check_margin",
     "flop_shares",
     "limit",
@@ -114,7 +120,10 @@ class Calibration:
         limit: that limit.
         batches: how many batches were measured.
         ranges: `LayerRange` per layer address.
-        pinned: `address -> reason` for the layers pinned for range.
+        pinned: `address -> reason` for the layers pinned for range (a pin inside a block
+            pins the block).
+        tight: `address -> reason` for the layers pinned alone (their own math; their
+            sublayers keep the low dtype), each confirmed by running the converted model.
         checked: whether the converted model was run on the batches to confirm it.
         fp32_flops: share of the model's matmul FLOPs that run in float32 (every pin).
         range_flops: share of them that calibration's pins added.
@@ -126,6 +135,7 @@ class Calibration:
     batches: int
     ranges: dict = dataclasses.field(default_factory=dict)
     pinned: dict = dataclasses.field(default_factory=dict)
+    tight: dict = dataclasses.field(default_factory=dict)
     checked: bool = False
     fp32_flops: float | None = None
     range_flops: float | None = None
@@ -143,7 +153,7 @@ class Calibration:
         lines = [
             f"calibration: {self.batches} batch(es), limit {self.limit:,.0f} "
             f"({self.compute_dtype} max / margin {self.margin:g}); "
-            f"{len(self.pinned)} layer(s) pinned for range"
+            f"{len(self.pinned) + len(self.tight)} layer(s) pinned for range"
             + ("" if self.checked else " (converted model not checked on this backend)")
         ]
         if self.fp32_flops is not None:
@@ -236,3 +246,131 @@ def flop_shares(ranges: dict, float32: Iterable, range_only: Iterable) -> tuple:
     f32 = sum(ranges[a].flops for a in set(float32) if a in ranges)
     extra = sum(ranges[a].flops for a in set(range_only) if a in ranges)
     return f32 / total, extra / total
+
+
+_INTERNAL = "non-finite in {dtype} though finite in float32: a tensor inside it overflows"
+_ROUNDS = 24  # checks of the converted model, each pinning at the first layer to overflow
+_SCORE_NAMES = ("query", "key", "q_proj", "k_proj", "q_dense", "k_dense")
+
+
+def overflowing(new: keras.Model, items: list, ranges: dict) -> list:
+    """`(address, input finite)` for the layers whose output is non-finite in `new` but
+    finite in the float32 model, the first to overflow (innermost, earliest) first; `input
+    finite`: it received finite values (it overflowed itself)."""
+    bad, seen = [], set()
+    for r in ranges.values():  # this conversion's, not an earlier round's
+        r.low_output_max = None
+    for x, _ in items:
+        for rec in trace(new, x):
+            fp32 = ranges.get(rec.address)
+            if fp32 is None or rec.layer.compute_dtype == "float32":
+                continue
+            r = fp32.low_output_max = max(fp32.low_output_max or 0.0, rec.output_max)
+            if math.isinf(r) and math.isfinite(fp32.output_max) and rec.address not in seen:
+                seen.add(rec.address)
+                bad.append((rec.address, math.isfinite(rec.input_max)))
+    return bad
+
+
+def _score_projections(layer) -> list:
+    """An attention layer's query and key projections (by name), if it has them."""
+    found = []
+    for child in keep_list.sublayers(layer):
+        name = child.name.lower()
+        if any(n in name for n in _SCORE_NAMES) and "value" not in name:
+            found.append(child)
+    return found
+
+
+def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> tuple:
+    """The calibrated plan, and the converted model checked on the batches (or None).
+
+    Range pins are placed with the keep-list's rules. Then the model is converted and run
+    (float16 only: bfloat16 has float32's range); where a layer's output is non-finite
+    though finite in float32, the pin grows one step a round, each checked by running:
+    (0) the layer alone if it overflowed itself, else the layer that fed it the non-finite
+    tensor (its parent), alone, with the other layers of its class (same code); (1) with
+    its query and key projections (the attention scores); (2) its whole block, lifted as
+    the keep-list lifts.
+
+    Args:
+        model: The float32 model.
+        policy: A `keras_mp.Policy`.
+        data: The batches (see `batches`).
+        margin: The safety factor.
+        max_batches: At most this many batches.
+        loss: A loss for the gradient range (see `measure`).
+        convert: `Plan -> converted model`.
+
+    Returns:
+        `(plan, converted model or None)`; the plan's `calibration` has the measurements,
+        the pins and their FLOP shares.
+    """
+    margin = check_margin(margin)
+    items = batches(data, max_batches)
+    ranges = measure(model, items, loss=loss)
+    low = policy.compute_dtype
+    pins = range_pins(ranges, low, margin) if policy.is_low_precision else {}
+    cal = Calibration(low, margin, limit(low, margin), len(items), ranges, pins)
+    layers, parents = keep_list.layer_tree(model)
+    where = keep_list.addresses(model)
+    layer_at = {where[id(x)]: x for x in layers}
+    steps: dict = {}  # address -> how far its pin has grown
+
+    def make_plan():
+        extra = [(layer_at[a], reason) for a, reason in pins.items() if a in layer_at]
+        exact = [(layer_at[a], reason) for a, reason in cal.tight.items() if a in layer_at]
+        result = keep_list.plan(model, policy, extra=extra, exact=exact)
+        result.calibration = cal
+        return result
+
+    def grow(layer):
+        address, reason = where[id(layer)], _INTERNAL.format(dtype=low)
+        step = steps[address] = steps.get(address, -1) + 1
+        if step == 0:
+            same = [x for x in layers if type(x) is type(layer)]
+            for x in same if not type(layer).__module__.startswith("keras.") else [layer]:
+                steps.setdefault(where[id(x)], 0)
+                cal.tight[where[id(x)]] = reason
+        elif step == 1 and _score_projections(layer):
+            for x in _score_projections(layer):
+                cal.tight[where[id(x)]] = f"{reason} (the scores of {address!r})"
+        else:
+            pins[address] = reason
+
+    the_plan, new, last = make_plan(), None, []
+    if low == "float16":
+        for _ in range(_ROUNDS):
+            new = convert(the_plan)
+            try:
+                bad = overflowing(new, items, ranges)
+            except Exception as e:  # noqa: BLE001 - e.g. JAX's CPU has no float16 dot
+                if last:  # the latest pin broke the model (a float32 tensor in low math)
+                    grow(last[-1])
+                    the_plan, new = make_plan(), None
+                    continue
+                the_plan.notes.append(f"converted model not checked here ({type(e).__name__})")
+                new = None
+                break
+            if not bad:
+                cal.checked = True
+                break
+            # The first layer to overflow is the source; what follows only inherits inf.
+            address, itself = bad[0]
+            layer = layer_at.get(address)
+            parent = parents.get(id(layer)) if layer is not None else None
+            if layer is None:
+                pins[address] = _INTERNAL.format(dtype=low)
+            else:
+                last.append(layer if itself or parent is None or isinstance(
+                    parent, keras.Model) else parent)
+                grow(last[-1])
+            the_plan, new = make_plan(), None
+    cal.tight = {a: r for a, r in cal.tight.items() if a in the_plan.float32}
+    base = keep_list.plan(model, policy).float32
+    cal.fp32_flops, cal.range_flops = flop_shares(
+        ranges, the_plan.float32, the_plan.float32 - base
+    )
+    if new is not None:
+        new.precision_plan = the_plan
+    return the_plan, new

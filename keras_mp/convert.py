@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import re
 import types
 import warnings
@@ -23,7 +22,6 @@ from keras.src.utils.tracking import DotNotTrackScope
 
 from keras_mp import _runcheck, keep_list
 from keras_mp import calibrate as calibration
-from keras_mp._probe import trace
 from keras_mp.model_copy import copy_model, pair_layers, recast_variables
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
 
@@ -139,6 +137,8 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
             layer._dtype_policy = want
             continue
         layer._dtype_policy = pmap  # the public setter would write into a shared map
+        if re.escape(layer.path) in pmap._policy_map:
+            continue  # its own key: the plan's, or the saved model's (a loaded pin)
         if pmap[layer.path].compute_dtype != want.compute_dtype:
             pmap[re.escape(layer.path)] = want
     if policy.is_low_precision:
@@ -212,7 +212,7 @@ def convert(
     margin: float = calibration.DEFAULT_MARGIN,
     max_batches: int = 8,
     loss: Any = None,
-    check: str | None = "forward",
+    check: str | None = "auto",
 ) -> keras.Model:
     """Returns a copy of `model` running under `policy`, with its weights.
 
@@ -231,13 +231,14 @@ def convert(
     reports each pin's measured maximum against the limit and the FLOPs moved to float32.
 
     The converted model is then run once on a batch (`check`, on by default: the first
-    calibration batch, or one made from the model's input specs): a layer that cannot run
-    in the compute dtype (an op without a float16 kernel, a dtype error inside the layer)
-    is pinned to float32 alone, its sublayers left as they were, and the model converted
-    and run again, until it runs (see `keras_mp._runcheck`). With `check="train"` one
-    compiled gradient step runs too, and layers whose backward XLA cannot compile in the
-    low dtype (bilinear resizing on TensorFlow) are pinned. Each such pin's reason is the
-    error it fixed; the plan's `check` reports them and their share of the FLOPs.
+    calibration batch, or one made from the model's input specs), compiled as `predict`
+    runs it: a layer that cannot run in the compute dtype (an op without a float16 kernel,
+    a dtype error inside the layer) is pinned to float32 alone, its sublayers left as they
+    were, and the model converted and run again, until it runs (see `keras_mp._runcheck`).
+    One compiled gradient step runs too (`check="train"`, or by default on TensorFlow
+    when a layer resizes bilinearly in the low dtype), and layers whose backward XLA cannot
+    compile in the low dtype are pinned. Each such pin's reason is the error it fixed; the
+    plan's `check` reports them and their share of the FLOPs.
 
     Any model Keras runs converts: the model is copied as it is (no `get_config()` round
     trip of its layers), so keras_hub backbones and tasks, `keras.applications`, Functional,
@@ -258,10 +259,12 @@ def convert(
         max_batches: At most this many batches of `calibrate` are used.
         loss: With targets in `calibrate`, the gradient range is checked too (default: the
             compiled loss, if any).
-        check: `"forward"` (default): run the converted model once and pin the layers
-            that raise in the compute dtype; `"train"`: also compile one gradient step
-            (XLA on TensorFlow) and pin what fails there; None: no run check. Not run for
-            a `Plan` (it is applied as it is) or a float32 policy.
+        check: `"forward"`: run the converted model once and pin the layers that raise
+            in the compute dtype; `"train"`: also compile one gradient step (XLA on
+            TensorFlow) and pin what fails there; `"auto"` (default): `"train"` on
+            TensorFlow for a model with a bilinear resizing layer in the low dtype, else
+            `"forward"`; None: no run check. Not run for a `Plan` (applied as it is) or a
+            float32 policy.
 
     Returns:
         A new, built `keras.Model` of the same class.
@@ -298,14 +301,10 @@ def convert(
         x, inputs = calibration.batches(calibrate, 1)[0][0], "calibration batch"
     if check is None or not policy.is_low_precision:
         return new if new is not None else _converted(model, the_plan)
-    if x is None:
-        x, inputs = _runcheck.sample_inputs(model), "made from model.inputs"
-    if x is None:
-        the_plan.notes.append(
-            "run check skipped: the model has no input specs; pass a batch as `calibrate`")
-        return new if new is not None else _converted(model, the_plan)
-    return _runcheck.checked(model, the_plan, x, inputs, train=check == "train",
-                             convert=lambda p: _converted(model, p))
+    recalibrate = None if calibrate is not None else (
+        lambda batch: _calibrated(model, policy, batch, margin, 1, loss)[0])
+    return _runcheck.run_check(model, the_plan, new, x, inputs, check,
+                               lambda p: _converted(model, p), recalibrate)
 
 
 def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
@@ -371,69 +370,10 @@ def _compile_like(model: keras.Model, new: keras.Model) -> None:
     Trainer.compile(new, **keras.saving.deserialize_keras_object(config))
 
 
-_INTERNAL = "non-finite in {dtype} though finite in float32: a tensor inside it overflows"
-_ROUNDS = 12  # checks of the converted model, each pinning the first layer to overflow
-
-
 def _calibrated(model, policy: Policy, data, margin, max_batches, loss=None) -> tuple:
     """(plan with calibration pins, converted model checked on the batches or None)."""
-    margin = calibration.check_margin(margin)
-    items = calibration.batches(data, max_batches)
-    ranges = calibration.measure(model, items, loss=loss)
-    low = policy.compute_dtype
-    pins = calibration.range_pins(ranges, low, margin) if policy.is_low_precision else {}
-    cal = calibration.Calibration(
-        low, margin, calibration.limit(low, margin), len(items), ranges, pins
-    )
-    layers, _ = keep_list.layer_tree(model)
-    where = keep_list.addresses(model)
-    layer_at = {where[id(x)]: x for x in layers}
-
-    def make_plan():
-        extra = [(layer_at[a], reason) for a, reason in pins.items() if a in layer_at]
-        result = keep_list.plan(model, policy, extra=extra)
-        result.calibration = cal
-        return result
-
-    the_plan, new = make_plan(), None
-    if low == "float16":  # bfloat16 has float32's range: nothing to check
-        for _ in range(_ROUNDS):
-            new = _converted(model, the_plan)
-            try:
-                bad = _overflowing(new, items, ranges)
-            except Exception as e:  # noqa: BLE001 - e.g. JAX's CPU has no float16 dot
-                the_plan.notes.append(f"converted model not checked here ({type(e).__name__})")
-                new = None
-                break
-            if not bad:
-                cal.checked = True
-                break
-            # The first layer to overflow is the source; what follows it only inherits inf.
-            pins[bad[0]] = _INTERNAL.format(dtype=low)
-            the_plan = make_plan()
-            new = None
-    base = keep_list.plan(model, policy).float32
-    cal.fp32_flops, cal.range_flops = calibration.flop_shares(
-        ranges, the_plan.float32, the_plan.float32 - base
-    )
-    if new is not None:
-        new.precision_plan = the_plan
-    return the_plan, new
-
-
-def _overflowing(new: keras.Model, items: list, ranges: dict) -> list:
-    """Addresses whose output is non-finite in `new` but finite in the float32 model, the
-    first to overflow (innermost, earliest) first."""
-    bad = []
-    for x, _ in items:
-        for rec in trace(new, x):
-            fp32 = ranges.get(rec.address)
-            if fp32 is None or rec.layer.compute_dtype == "float32":
-                continue
-            r = fp32.low_output_max = max(fp32.low_output_max or 0.0, rec.output_max)
-            if math.isinf(r) and math.isfinite(fp32.output_max) and rec.address not in bad:
-                bad.append(rec.address)
-    return bad
+    return calibration.calibrated_plan(
+        model, policy, data, margin, max_batches, loss, lambda p: _converted(model, p))
 
 
 def _translate(the_plan: keep_list.Plan, model: keras.Model, new: keras.Model):

@@ -28,7 +28,7 @@ def test_t5_style_model_plain_conversion_overflows_calibrated_one_is_close():
     model = _enc_dec()
     x = {"encoder": ENC[:32], "decoder": DEC[:32]}
     reference = _f32(model(x))
-    assert not np.isfinite(_f32(kmp.convert(model, "mixed_float16")(x))).all()
+    assert not np.isfinite(_f32(kmp.convert(model, "mixed_float16", check=None)(x))).all()
     converted = kmp.convert(model, "mixed_float16", calibrate=x)
     plan = converted.precision_plan
     # Only what touches the overflowing tensor: the last encoder block's wo, the residual
@@ -78,7 +78,8 @@ def test_growing_residual_stream_pins_only_the_late_blocks():
     reference = _f32(model(DEC[:32]))
     result = _f32(converted(DEC[:32]))
     assert np.abs(result - reference).max() / np.abs(reference).max() < 5e-3
-    assert not np.isfinite(_f32(kmp.convert(model, "mixed_float16")(DEC[:32]))).all()
+    assert not np.isfinite(
+        _f32(kmp.convert(model, "mixed_float16", check=None)(DEC[:32]))).all()
 
 
 def test_bfloat16_pins_nothing_for_range_and_data_forms():
@@ -167,11 +168,24 @@ def test_keras_hub_t5_backbone_calibrated_runs_finite_and_trains():
     x = {"encoder_token_ids": ids, "encoder_padding_mask": np.ones_like(ids),
          "decoder_token_ids": ids[:, ::-1].copy(), "decoder_padding_mask": np.ones_like(ids)}
     reference = {k: _f32(v) for k, v in backbone(x).items()}
-    plain = kmp.convert(backbone, "mixed_float16")
+    plain = kmp.convert(backbone, "mixed_float16", check=None)
     assert not all(np.isfinite(_f32(v)).all() for v in plain(x).values())
     converted = kmp.convert(backbone, "mixed_float16", calibrate=x)
     plan = converted.precision_plan
     assert plan.calibration.checked and plan.pins
+    # The NaN comes from each attention layer's own math (its mask times -1e9 in float16):
+    # those layers alone are pinned, their projections stay float16 (issue 28: the whole
+    # blocks were pinned, 100% of the matmul FLOPs).
+    assert {p.class_name for p in plan.pins} == {"T5MultiHeadAttention"}
+    assert all(p.note == "its own math only" for p in plan.pins)
+    attention = converted.get_layer("transformer_encoder_layer_0").self_attention
+    assert attention.compute_dtype == "float32"
+    assert attention.query_projector.compute_dtype == "float16"
+    assert plan.calibration.fp32_flops <= 0.25  # measured 0.0%
+    # Without a batch, the run check's own batch shows the overflow and calibrates on it.
+    default = kmp.convert(backbone, "mixed_float16")
+    assert all(np.isfinite(_f32(v)).all() for v in default(x).values())
+    assert any("calibrated on it" in n for n in default.precision_plan.notes)
     for key, value in converted(x).items():
         got = _f32(value)
         assert np.isfinite(got).all()

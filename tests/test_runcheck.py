@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-from keras_mp import _runcheck
+from keras_mp import _trial
 
 
 @keras.saving.register_keras_serializable(package="keras_mp_tests")
@@ -113,7 +113,7 @@ def test_sample_inputs_follow_the_input_specs():
     image = keras.Input((None, None, 3), name="image")
     model = keras.Model({"ids": ids, "image": image},
                         keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(image)))
-    x = _runcheck.sample_inputs(model)
+    x = _trial.sample_inputs(model)
     assert x["ids"].shape == (2, 8) and x["ids"].dtype == np.int32 and (x["ids"] == 1).all()
     assert x["image"].shape == (2, 64, 64, 3) and x["image"].dtype == np.float32
 
