@@ -131,6 +131,17 @@ class Float32(keras.layers.Wrapper):
             pass
         self.built = True
 
+    def __call__(self, inputs, *args, **kwargs):
+        # Keras before 3.13 drops a tensor's mask when it casts the inputs to float32: the
+        # mask is handed on explicitly, so the wrapped layer and the layers after it get it.
+        if "mask" not in kwargs:
+            from keras.src.backend import get_keras_mask
+
+            mask = keras.tree.map_structure(get_keras_mask, inputs)
+            if any(m is not None for m in keras.tree.flatten(mask)):
+                kwargs["mask"] = mask
+        return super().__call__(inputs, *args, **kwargs)
+
     def call(self, inputs, *args, **kwargs):
         if "mask" in kwargs and "mask" not in self.layer.call_signature_parameters:
             kwargs.pop("mask")  # e.g. Float32(Dense)(x, mask=m): Dense.call takes no mask
