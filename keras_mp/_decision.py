@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Pin", "Plan"]
+__all__ = ["ALONE", "Pin", "Plan"]
+
+# The note of a pin of a layer's own math only: its sublayers keep their own dtype.
+ALONE = "its own math only"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ plan (`Plan.check`). Nothing here imports TensorFlow at module level.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable
 
@@ -36,7 +37,7 @@ from keras_mp._trial import (
     train_failure,
 )
 
-__all__ = ["CHECKS", "RunCheck", "checked", "repair", "run_check", "wants_train_check"]
+__all__ = ["CHECKS", "RunCheck", "alone", "checked", "repair", "run_check", "wants_train_check"]
 
 CHECKS = ("auto", "forward", "train")
 _ROUNDS = 16
@@ -181,7 +182,7 @@ def repair(
             if not low:
                 raise _error(model.name, failure.error, dtype, stage)
             for a in low:
-                exact[a] = f"run check: gradient step fails in {dtype} ({failure.error})"
+                exact[a] = f"run check: gradient step fails in {dtype} ({failure.error[:100]})"
         else:
             target = source.get(failure.address)
             if target is None:
@@ -195,7 +196,7 @@ def repair(
             for layer in _same_kind(target, layers):
                 a = where[id(layer)]
                 if a not in the_plan.float32:
-                    exact[a] = f"run check: {failure.error}"
+                    exact[a] = f"run check: {failure.error[:120]}"
         the_plan = make_plan(exact)
         new = convert(the_plan)
     else:
@@ -260,7 +261,7 @@ def _with_cost(pin, ranges: dict, float32: set):
     total = sum(r.flops for r in ranges.values())
     if not total:
         return pin
-    own = [pin.path] + ([] if pin.note == "its own math only" else
+    own = [pin.path] + ([] if pin.note == keep_list.ALONE else
                         [a for a in float32 if a.startswith(pin.path + "/")])
     return dataclasses.replace(pin, cost=sum(ranges[a].flops for a in own if a in ranges) / total)
 
@@ -307,3 +308,22 @@ def run_check(model, the_plan, new, x, inputs: str, check: str, convert: Callabl
             "on it; pass your own batches as `calibrate`")
         new = checked(model, the_plan, x, inputs, train, convert, pinned=found)
     return new
+
+
+def alone(pmap, the_plan: keep_list.Plan, model: keras.Model):
+    """`pmap` for the pins of a layer's own math only: no `"path/.*"` key (nested pins'
+    patterns would both match), and an exact key for each sublayer with a path, saved with
+    the model, so that a loaded model does not take the pin for its whole subtree."""
+    alone = [p.path for p in the_plan.pins if p.note == keep_list.ALONE]
+    if not alone:
+        return pmap
+    for key in [k for k in pmap._policy_map if k.endswith("/.*")]:
+        if any(re.fullmatch(key[:-3], a) for a in alone):
+            del pmap._policy_map[key]
+    where = keep_list.addresses(model)
+    base = keras.DTypePolicy(the_plan.policy.base.name)
+    for layer in keep_list.layer_tree(model)[0]:
+        a = where[id(layer)]
+        if layer.path and a not in the_plan.float32 and any(a.startswith(p + "/") for p in alone):
+            pmap[re.escape(layer.path)] = base
+    return pmap

@@ -223,6 +223,9 @@ def audit(
     x, y, _ = unpack(data)
     scale, scale_source = _loss_scale(model, loss_scale)
     notes: list[str] = []
+    failure = _run_failure(model, x)
+    if failure:
+        notes.append(failure)
     records = [r for r in trace(model, x) if not isinstance(r.layer, keras.layers.InputLayer)]
     output_ids = {id(layer) for layer in keep_list.output_layers(model)}
     model_fp32 = all(r.layer.compute_dtype == "float32" for r in records)
@@ -300,6 +303,21 @@ def audit(
         report.proposal = _proposal(model, x, margin, model_fp32)
     _conclude(report, model_fp32, underflow_threshold, float16_grads=not unscaled_bf16)
     return report
+
+
+def _run_failure(model, x) -> str | None:
+    """convert's run check on a low-precision model: the layer that cannot run compiled
+    in its compute dtype (`keras_mp._trial.forward_failure`), as a note, or None."""
+    from keras_mp._trial import forward_failure
+
+    if all(x_.compute_dtype not in _LOW for x_ in model._flatten_layers(include_self=True)):
+        return None
+    found = forward_failure(model, x)
+    if found is None:
+        return None
+    where = f"layer {found.address!r}" if found.address else f"model {model.name!r}"
+    return (f"run check: {where} cannot run compiled in its compute dtype ({found.error[:120]})"
+            "; kmp.convert(the float32 model, policy) pins it to float32 (check='auto')")
 
 
 def _state(model) -> dict | None:

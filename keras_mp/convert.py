@@ -317,7 +317,7 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
         raise ValueError(f"convert: {e}") from e
     if not copied:  # rebuilt from its config: paths may differ from the source's
         the_plan = _translate(the_plan, model, new)
-    apply_plan(new, the_plan, policy_map(policy, the_plan, new))
+    apply_plan(new, the_plan, _runcheck.alone(policy_map(policy, the_plan, new), the_plan, new))
     _save_the_dtype(new)
     if not policy.has_master_weights:
         recast_variables(new)

@@ -33,7 +33,7 @@ from typing import Any
 
 import keras
 
-from keras_mp._decision import Pin, Plan
+from keras_mp._decision import ALONE, Pin, Plan
 from keras_mp._tree import (
     addresses,
     graph_nodes,
@@ -44,6 +44,7 @@ from keras_mp._tree import (
 )
 
 __all__ = [
+    "ALONE",
     "DEFAULT_KEEP_FP32",
     "TOKENS",
     "Pin",
@@ -359,7 +360,7 @@ def plan(
     for layer, reason in exact:
         if id(layer) in float32_ids or id(layer) not in where or inside_another(layer):
             continue
-        note = "its own math only" if sublayers(layer) else ""
+        note = ALONE if sublayers(layer) else ""
         result.pins.append(Pin(where[id(layer)], type(layer).__name__, reason, note))
         float32_ids.add(id(layer))
     result.float32 = {where[i] for i in float32_ids if i in where}

@@ -96,6 +96,16 @@ def test_layer_without_a_float16_kernel_is_pinned_alone_and_the_model_runs(tmp_p
         got, atol=1e-6)
 
 
+@pytest.mark.tf_only
+def test_audit_names_the_layer_that_cannot_run_and_the_fix():
+    unchecked = kmp.convert(_model(), "mixed_float16", check=None)
+    report = kmp.audit(unchecked, X)  # the audit's own probes run eagerly, and finish
+    note = next(n for n in report.notes if n.startswith("run check"))
+    assert "layer 'block_0/scale'" in note and "check='auto'" in note
+    checked = kmp.convert(_model(), "mixed_float16")
+    assert not any(n.startswith("run check") for n in kmp.audit(checked, X).notes)
+
+
 def test_check_argument_is_validated():
     with pytest.raises(ValueError, match="`check` must be one of"):
         kmp.convert(_model(), "mixed_float16", check="backward")

@@ -2,8 +2,12 @@
 
 `run(entry, policy)` builds the entry in float32 and checks, stage by stage:
 
-1. `convert`: `kmp.convert(model, policy)`; the original untouched; master weights
-   bit-identical; the copy's layers in the compute dtype except the plan's pins.
+1. `convert`: `kmp.convert(model, policy)` (its run check pins what cannot run in the
+   compute dtype); where its outputs on the entry's batch are non-finite though float32's
+   are finite (overflow at initialisation, which a made-up batch need not show), again with
+   `calibrate=` that batch, as a user would (`"calibrated": True`); the original
+   untouched; master weights bit-identical; the copy's layers in the compute dtype except
+   the plan's pins. The pins, their reasons and FLOP shares go in `"pin_detail"`.
 2. `forward`: the converted model's outputs within `TOLERANCE[policy]` of the float32
    model's, as max |difference| / max |float32 output| over every floating output.
 3. `fit`: three steps with `kmp.LossScaleOptimizer` under mixed_float16 (Adam otherwise),
@@ -32,8 +36,8 @@ import numpy as np
 import keras_mp as kmp
 from keras_mp.model_copy import copy_model, pair_variables
 
-__all__ = ["SAVE_TOLERANCE", "STAGES", "TOLERANCE", "relative_error", "run", "stock",
-           "stock_error"]
+__all__ = ["SAVE_TOLERANCE", "STAGES", "TOLERANCE", "float32", "relative_error", "run",
+           "stock", "stock_error"]
 
 STAGES = ("convert", "forward", "fit", "save", "audit")
 # Max |converted - float32| / max |float32| over the outputs. Measured on the zoo (2-core
@@ -59,6 +63,10 @@ def _floats(tree) -> list:
         if a.dtype.kind in "fV":
             out.append(a.astype("float32"))
     return out
+
+
+def _finite(tree) -> bool:
+    return all(np.isfinite(a).all() for a in _floats(tree))
 
 
 def relative_error(reference, result) -> float:
@@ -170,6 +178,9 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             converted = kmp.convert(model, policy)
+            if not _finite(converted.predict_on_batch(x)) and _finite(reference):
+                converted = kmp.convert(model, policy, calibrate=x)
+                result["calibrated"] = True
         after = _weights(model)
         assert all(np.array_equal(before[k], after[k]) for k in before), "original changed"
         for path, a, b in _pairs(model, converted):
@@ -179,7 +190,17 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
         wrong = [a for a, d in dtypes.items()
                  if d != ("float32" if a in converted.precision_plan.float32 else low)]
         assert not wrong, f"layers not as planned: {wrong[:3]}"
-        result["pins"] = [p.path for p in converted.precision_plan.pins]
+        the_plan = converted.precision_plan
+        result["pins"] = [p.path for p in the_plan.pins]
+        result["pin_detail"] = [
+            {"path": p.path, "class": p.class_name, "reason": p.reason[:160], "note": p.note,
+             "cost": p.cost} for p in the_plan.pins
+            if not p.reason.startswith("keep_fp32")]
+        for name, part in (("calibration", the_plan.calibration), ("check", the_plan.check)):
+            if part is not None and part.fp32_flops is not None:
+                result[f"{name}_fp32_flops"] = part.fp32_flops
+        if the_plan.check is not None:
+            result["check_seconds"] = round(the_plan.check.seconds, 1)
         return converted
 
     converted = stage("convert", do_convert)
@@ -310,4 +331,21 @@ def stock(entry, policy: str) -> str:
         return _first_line(e)
     finally:
         keras.config.set_dtype_policy(previous)
+        keras.backend.clear_session(free_memory=False)
+
+
+def float32(entry) -> str:
+    """The float32 model through the same fit (three steps, XLA on TensorFlow): "ok" or
+    the first line of its error. A failure float32 has too is not a precision problem."""
+    keras.utils.set_random_seed(0)
+    keras.config.set_dtype_policy("float32")
+    try:
+        model = entry.build()
+        losses = _fit(model, entry, "float32", keras.optimizers.Adam(1e-3), entry.loss(),
+                      keras.backend.backend() == "tensorflow")
+        assert np.all(np.isfinite(losses)), f"non-finite losses {losses}"
+        return "ok"
+    except Exception as e:  # noqa: BLE001
+        return _first_line(e)
+    finally:
         keras.backend.clear_session(free_memory=False)
