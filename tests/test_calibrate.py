@@ -19,6 +19,12 @@ def _f32(t):
     return keras.ops.convert_to_numpy(keras.ops.cast(t, "float32"))
 
 
+def _measured(text: str, prefix: str) -> float:
+    """The number written right after `prefix` in `text` ("94,208" -> 94208)."""
+    assert prefix in text, text
+    return float(text.split(prefix, 1)[1].split()[0].rstrip(",)").replace(",", ""))
+
+
 def _enc_dec():
     return overflow.t5_encoder_decoder(ENC, DEC, vocab=64)
 
@@ -34,8 +40,9 @@ def test_t5_style_model_plain_conversion_overflows_calibrated_one_is_close():
     # Only what touches the overflowing tensor: the last encoder block's wo, the residual
     # add after it and the final norm receiving the stream; 6 of the 46 layers are float32.
     assert [p.path for p in plan.pins] == ["enc1_wo", "enc1_ffn_res", "enc_final_norm"]
-    assert plan.pins[0].reason.startswith("calibration: max |output| = 94,")
-    assert plan.pins[2].reason.startswith("calibration: max |input| = 94,")
+    # The maximum depends on Keras' initializers (94,xxx on Keras 3.15, 99,354 on 3.12).
+    for pin, side in ((plan.pins[0], "output"), (plan.pins[2], "input")):
+        assert 65504 < _measured(pin.reason, f"calibration: max |{side}| = ") < 200_000
     assert plan.calibration.checked and plan.calibration.limit == 65504 / 4
     assert 0 < plan.calibration.fp32_flops < 0.06  # measured 4.9%
     # Measured: 1.3e-3 of the largest logit (float16 elsewhere).
@@ -120,7 +127,8 @@ def test_audit_proposes_what_calibrated_convert_disposes():
     assert report.verdict.startswith("NOT safe in float16 as it is")
     assert "calibrated conversion pins 3 layer(s)" in report.verdict
     advice = " ".join(report.advice)
-    assert "For float16, pin 3 layer(s): 'enc1_wo' (max |output| = 94," in advice
+    assert 65504 < _measured(advice, "For float16, pin 3 layer(s): 'enc1_wo' (max |output| = ") \
+        < 200_000
     assert "4.9% of the matmul FLOPs in float32" in advice
     converted = kmp.convert(model, "mixed_float16", calibrate=x)
     assert [p.path for p in report.proposal.pins] == [
