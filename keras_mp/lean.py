@@ -11,13 +11,16 @@ Float32 weights are updated exactly; only their moments are compressed.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import keras
 from keras import ops
 from keras.src.utils import tracking
 
 from keras_mp import lean_codecs
 
-__all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
+__all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED", "lean_rule"]
 
 DEFAULT_ROUNDING = "kahan"
 DEFAULT_MOMENTS = "int8"
@@ -215,72 +218,72 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     def _apply_weight_decay(self, variables):
         return  # decoupled decay is part of update_step, in float32
 
-    def _seed(self, index: int, salt: int):
-        step = ops.cast(self.iterations, "int32")
-        return step * 1000003 + (index * 8 + salt) * 7919
-
-    def _read_moment(self, moment, signed: bool, shape):
-        fmt, codes, scales = moment
-        return lean_codecs.decode_moment(
-            codes.value,
-            None if scales is None else scales.value,
-            fmt,
-            signed,
-            shape,
-        )
-
-    def _write_moment(self, moment, value, signed: bool, seed):
-        fmt, codes, scales = moment
-        stored, scale = lean_codecs.encode_moment(value, fmt, signed, seed, self.block_size)
-        self.assign(codes, stored)
-        if scales is not None:
-            self.assign(scales, scale)
-
     def update_step(self, gradient, variable, learning_rate):
         index = self._get_variable_index(variable)
         slot = self._slots[index]
-        shape = tuple(variable.shape)
-        g = ops.cast(gradient, "float32")
-        lr = ops.cast(learning_rate, "float32")
         comp = slot["compensation"]
-        is_bf16 = keras.backend.standardize_dtype(variable.dtype) == "bfloat16"
-        w = lean_codecs.decode_weight(
-            _read(variable),
-            None if comp is None else comp.value,
-            self.rounding,
+        values = {
+            "weight": _read(variable),
+            "grad": gradient,
+            "lr": ops.cast(learning_rate, "float32"),
+            "iterations": ops.cast(self.iterations, "int32"),
+            "seed": ops.convert_to_tensor(index * 7919, "int32"),
+        }
+        if comp is not None:
+            values["compensation"] = comp.value
+        for name in ("m", "v"):
+            if slot[name] is not None:
+                _, codes, scales = slot[name]
+                values[name] = codes.value
+                if scales is not None:
+                    values[name + "_scale"] = scales.value
+        decay = self.weight_decay is not None and self._use_weight_decay(variable)
+        if decay:
+            values["weight_decay"] = ops.cast(self.weight_decay, "float32")
+        rule = self._rule_for(
+            _Static(
+                shape=tuple(variable.shape),
+                weight_dtype=keras.backend.standardize_dtype(variable.dtype),
+                m=None if slot["m"] is None else slot["m"][0],
+                v=None if slot["v"] is None else slot["v"][0],
+            )
         )
-        step = ops.cast(self.iterations + 1, "float32")
-        update = ops.zeros_like(w)
-        if self.weight_decay is not None and self._use_weight_decay(variable):
-            update = update - w * (ops.cast(self.weight_decay, "float32") * lr)
-        if self.kind in ("adam", "adamw"):
-            m = self._read_moment(slot["m"], True, shape)
-            v = self._read_moment(slot["v"], False, shape)
-            m = m + (g - m) * (1.0 - self.beta_1)
-            v = v + (ops.square(g) - v) * (1.0 - self.beta_2)
-            alpha = lr * ops.sqrt(1.0 - ops.power(self.beta_2, step)) / (
-                1.0 - ops.power(self.beta_1, step)
-            )
-            update = update - alpha * m / (ops.sqrt(v) + self.epsilon)
-            self._write_moment(slot["m"], m, True, self._seed(index, 2))
-            self._write_moment(slot["v"], v, False, self._seed(index, 3))
-        elif slot["m"] is not None:
-            m = self._read_moment(slot["m"], True, shape)
-            m = self.momentum * m - lr * g
-            update = update + (self.momentum * m - lr * g if self.nesterov else m)
-            self._write_moment(slot["m"], m, True, self._seed(index, 2))
-        else:
-            update = update - lr * g
-        target = w + update
-        if is_bf16:
-            weight, compensation = lean_codecs.encode_weight(
-                target, self.rounding, self._seed(index, 1)
-            )
-            self.assign(variable, weight)
-            if comp is not None:
-                self.assign(comp, compensation)
-        else:
-            self.assign(variable, ops.cast(target, variable.dtype))
+        new = rule(values)
+        self.assign(variable, new["weight"])
+        if comp is not None:
+            self.assign(comp, new["compensation"])
+        for name in ("m", "v"):
+            if slot[name] is not None:
+                _, codes, scales = slot[name]
+                self.assign(codes, new[name])
+                if scales is not None:
+                    self.assign(scales, new[name + "_scale"])
+
+    def _rule_for(self, static: _Static):
+        """The pure update for variables like `static`; on TensorFlow compiled with XLA
+        (one fused kernel per shape, whether or not the train step itself is), elsewhere
+        as it is (JAX traces it into the step)."""
+        rule = functools.partial(lean_rule, static, self._hyper())
+        if keras.backend.backend() != "tensorflow":
+            return rule
+        cache = self.__dict__.setdefault("_compiled_rules", {})
+        if static not in cache:
+            import tensorflow as tf
+
+            cache[static] = tf.function(rule, jit_compile=True, autograph=False)
+        return cache[static]
+
+    def _hyper(self) -> _Hyper:
+        return _Hyper(
+            kind=self.kind,
+            rounding=self.rounding,
+            block_size=self.block_size,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2,
+            epsilon=self.epsilon,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+        )
 
     def weights_float32(self) -> list:
         """The float32 values the trainable weights stand for (bfloat16 weight plus its
@@ -356,6 +359,100 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             )
         inner = _BY_NAME[kind](**config)
         return cls(inner, **own)
+
+
+class _Static(NamedTuple):
+    """What a variable's update is specialised on (its compiled kernel's cache key)."""
+
+    shape: tuple
+    weight_dtype: str
+    m: str | None  # moment formats, None: no such moment
+    v: str | None
+
+
+class _Hyper(NamedTuple):
+    kind: str
+    rounding: str
+    block_size: int
+    beta_1: float
+    beta_2: float
+    epsilon: float
+    momentum: float
+    nesterov: bool
+
+
+def lean_rule(static: _Static, hyper: _Hyper, values: dict) -> dict:
+    """One variable's lean update: a pure function of its stored state and gradient.
+
+    Decodes the weight (bfloat16 plus compensation, or float32) and the moments to
+    float32, applies Adam/AdamW (Keras' formula, decoupled weight decay) or SGD with
+    momentum/nesterov in float32, and encodes the results back, the stochastic roundings
+    driven by one hash of (step, variable, element).
+
+    Args:
+        static: shapes and formats (`_Static`).
+        hyper: the optimizer's constants (`_Hyper`).
+        values: `weight`, `grad`, `lr`, `iterations` (int32, before this step), `seed`
+            (int32, the variable's), and as stored: `compensation`, `m`, `m_scale`, `v`,
+            `v_scale`, `weight_decay` where they apply.
+
+    Returns:
+        A dict with the new `weight` and, where given, `compensation`, `m`, `m_scale`,
+        `v`, `v_scale`.
+    """
+    shape = static.shape
+    g = ops.cast(values["grad"], "float32")
+    lr = values["lr"]
+    comp = values.get("compensation")
+    w = lean_codecs.decode_weight(values["weight"], comp, hyper.rounding)
+    step = ops.cast(values["iterations"] + 1, "float32")
+    noise_w, noise_m, noise_v = lean_codecs.uniforms(
+        shape, values["iterations"] * 1000003 + values["seed"], 3
+    )
+
+    def moment(name, signed):
+        return lean_codecs.decode_moment(
+            values[name], values.get(name + "_scale"), getattr(static, name), signed, shape
+        )
+
+    out = {}
+
+    def store(name, x, signed, noise):
+        codes, scale = lean_codecs.encode_moment(
+            x, getattr(static, name), signed, noise, hyper.block_size
+        )
+        out[name] = codes
+        if scale is not None:
+            out[name + "_scale"] = scale
+
+    update = ops.zeros_like(w)
+    if "weight_decay" in values:
+        update = update - w * (values["weight_decay"] * lr)
+    if hyper.kind in ("adam", "adamw"):
+        m = moment("m", True)
+        v = moment("v", False)
+        m = m + (g - m) * (1.0 - hyper.beta_1)
+        v = v + (ops.square(g) - v) * (1.0 - hyper.beta_2)
+        alpha = lr * ops.sqrt(1.0 - ops.power(hyper.beta_2, step)) / (
+            1.0 - ops.power(hyper.beta_1, step)
+        )
+        update = update - alpha * m / (ops.sqrt(v) + hyper.epsilon)
+        store("m", m, True, noise_m)
+        store("v", v, False, noise_v)
+    elif static.m is not None:
+        m = hyper.momentum * moment("m", True) - lr * g
+        update = update + (hyper.momentum * m - lr * g if hyper.nesterov else m)
+        store("m", m, True, noise_m)
+    else:
+        update = update - lr * g
+    target = w + update
+    if static.weight_dtype == "bfloat16":
+        out["weight"], compensation = lean_codecs.encode_weight(target, hyper.rounding, noise_w)
+        if comp is not None:
+            out["compensation"] = compensation
+    else:
+        out["weight"] = ops.cast(target, static.weight_dtype)
+    return out
 
 
 def _read(variable):

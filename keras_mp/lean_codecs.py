@@ -45,6 +45,7 @@ __all__ = [
     "block_for",
     "moment_shapes",
     "random_bits",
+    "uniforms",
     "stochastic_round_bfloat16",
 ]
 
@@ -101,9 +102,34 @@ def _mix(h):
     return ops.bitwise_xor(h, _shr(h, 16))
 
 
-def _uniform(shape, seed):
-    """Uniform floats in [0, 1) from `random_bits`."""
-    return ops.cast(random_bits(shape, seed), "float32") * (1.0 / 65536.0)
+def uniforms(shape, seed, count: int = 3) -> list:
+    """`count` (at most 3) independent uniform tensors in [0, 1) of `shape`, 10 random
+    bits each, from one hash per element (`random_bits`' hash, all 32 bits used): the
+    noise of one variable's stochastic roundings (weight, first and second moment).
+
+    Args:
+        shape: the shape of each result.
+        seed: an int32 scalar.
+        count: how many (1 to 3).
+
+    Returns:
+        A list of float32 tensors.
+    """
+    if not 1 <= count <= 3:
+        raise ValueError(f"uniforms: count must be 1, 2 or 3, got {count}.")
+    size = max(1, math.prod(shape))
+    key = _mix(ops.cast(seed, "int32") + _as_int32(0x6A09E667))
+    h = _mix(ops.multiply(ops.arange(size, dtype="int32"), _as_int32(0x9E3779B1)) + key)
+    out = []
+    for i in range(count):
+        field = ops.bitwise_and(_shr(h, 10 * i) if i else h, 0x3FF)
+        out.append(ops.reshape(ops.cast(field, "float32") * (1.0 / 1024.0), shape))
+    return out
+
+
+def _bits(noise):
+    """Uniform noise in [0, 1) as the 16 random bits `stochastic_round_bfloat16` adds."""
+    return ops.cast(noise * 65536.0, "int32")
 
 
 # -- bfloat16 rounding --------------------------------------------------------------
@@ -139,22 +165,25 @@ def _bfloat16_ulp(w):
     return power * (2.0**-7)
 
 
-def encode_weight(target, rounding: str, seed=0):
+def encode_weight(target, rounding: str, noise=None):
     """A float32 weight as its lean storage.
 
     Args:
         target: float32 tensor, the exact new weight.
         rounding: one of `ROUNDINGS`.
-        seed: int32 scalar for the stochastic rounding of `"stochastic"` weights and of
-            `"kahan"`'s int8 compensation (ignored for `"kahan16"`).
+        noise: uniform [0, 1) noise of `target`'s shape (`uniforms`) for the stochastic
+            rounding of `"stochastic"` weights and of `"kahan"`'s int8 compensation
+            (default: `uniforms(shape, 0)`; unused by `"kahan16"`).
 
     Returns:
         `(weight, compensation)`: the bfloat16 weight and the compensation buffer
         (int8 for `"kahan"`, bfloat16 for `"kahan16"`, None for `"stochastic"`).
     """
     target = ops.cast(target, "float32")
+    if noise is None:
+        noise = uniforms(tuple(target.shape), 0, 1)[0]
     if rounding == "stochastic":
-        return stochastic_round_bfloat16(target, random_bits(tuple(target.shape), seed)), None
+        return stochastic_round_bfloat16(target, _bits(noise)), None
     weight = ops.cast(target, "bfloat16")
     residual = target - ops.cast(weight, "float32")
     if rounding == "kahan16":
@@ -163,7 +192,7 @@ def encode_weight(target, rounding: str, seed=0):
         raise ValueError(f"Unknown rounding {rounding!r}; expected one of {ROUNDINGS}.")
     units = residual / _bfloat16_ulp(ops.cast(weight, "float32")) * _KAHAN_STEPS
     # Rounded stochastically: a fixed step below half a unit (ulp / 508) still adds up.
-    code = ops.clip(ops.floor(units + _uniform(tuple(target.shape), seed)), -127.0, 127.0)
+    code = ops.clip(ops.floor(units + noise), -127.0, 127.0)
     return weight, ops.cast(ops.where(ops.isfinite(code), code, 0.0), "int8")
 
 
@@ -217,14 +246,15 @@ def _blocks(x, block: int):
     return ops.reshape(flat, (blocks, block))
 
 
-def encode_moment(x, fmt: str, signed: bool, seed=0, block: int = 2048):
+def encode_moment(x, fmt: str, signed: bool, noise=None, block: int = 2048):
     """A float32 optimizer moment as its compact storage, rounded stochastically.
 
     Args:
         x: float32 tensor (the first moment when `signed`, else the second, >= 0).
         fmt: one of `MOMENT_FORMATS`.
         signed: True for a signed map (first moment), False for the unsigned map.
-        seed: int32 scalar for the stochastic rounding.
+        noise: uniform [0, 1) noise of `x`'s shape (`uniforms`; default
+            `uniforms(shape, 0)`) for the stochastic rounding.
         block: values per scale for `"int8"`.
 
     Returns:
@@ -234,15 +264,18 @@ def encode_moment(x, fmt: str, signed: bool, seed=0, block: int = 2048):
     x = ops.cast(x, "float32")
     if fmt == "float32":
         return x, None
+    if noise is None:
+        noise = uniforms(tuple(x.shape), 0, 1)[0]
     if fmt == "bfloat16":
-        return stochastic_round_bfloat16(x, random_bits(tuple(x.shape), seed)), None
+        return stochastic_round_bfloat16(x, _bits(noise)), None
     if fmt != "int8":
         raise ValueError(f"Unknown moment format {fmt!r}; expected one of {MOMENT_FORMATS}.")
-    values = _blocks(x, block_for(tuple(x.shape), block))
+    block = block_for(tuple(x.shape), block)
+    values = _blocks(x, block)
     scale = ops.max(ops.abs(values), axis=1)
     safe = ops.where(scale > 0, scale, 1.0)
     normalized = ops.abs(values) / ops.expand_dims(safe, 1)
-    noise = _uniform(tuple(values.shape), seed)
+    noise = _blocks(noise, block)
     if signed:
         level = ops.sqrt(normalized) * _SIGNED_TOP
         magnitude = ops.minimum(ops.floor(level + noise), _SIGNED_TOP)

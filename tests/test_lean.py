@@ -24,6 +24,15 @@ def np_(x):
 # -- codecs ------------------------------------------------------------------------------
 
 
+def test_uniforms_are_independent_fields_of_one_hash():
+    a, b, c = (np_(u) for u in codecs.uniforms((8192,), 5, 3))
+    for u in (a, b, c):
+        assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.02
+        assert len(np.unique(u)) == 1024  # 10 bits
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.05 and abs(np.corrcoef(b, c)[0, 1]) < 0.05
+    np.testing.assert_array_equal(a, np_(codecs.uniforms((8192,), 5, 1)[0]))
+
+
 def test_random_bits_are_uniform_and_depend_on_seed():
     a = np_(codecs.random_bits((4096,), 1))
     b = np_(codecs.random_bits((4096,), 2))
@@ -63,7 +72,7 @@ def test_small_updates_accumulate_under_kahan_not_under_nearest():
     nearest = ml_dtypes.bfloat16(1.0)
     for step in range(1000):
         target = codecs.decode_weight(w, c, "kahan") + 1e-4
-        w, c = codecs.encode_weight(target, "kahan", seed=step)
+        w, c = codecs.encode_weight(target, "kahan", codecs.uniforms((8,), step, 1)[0])
         nearest = ml_dtypes.bfloat16(np.float32(nearest) + np.float32(1e-4))
     assert float(nearest) == 1.0  # rounded away every time
     np.testing.assert_allclose(np_(codecs.decode_weight(w, c, "kahan")), 1.1, rtol=1e-3)
@@ -73,7 +82,8 @@ def test_small_updates_accumulate_under_kahan_not_under_nearest():
 def test_stochastic_weights_accumulate_in_expectation():
     w = ops.cast(ops.ones((4096,)), "bfloat16")
     for step in range(200):
-        w, _ = codecs.encode_weight(ops.cast(w, "float32") + 1e-4, "stochastic", seed=step)
+        noise = codecs.uniforms((4096,), step, 1)[0]
+        w, _ = codecs.encode_weight(ops.cast(w, "float32") + 1e-4, "stochastic", noise)
     assert abs(np_(w).mean() - 1.02) < 2e-3
 
 
@@ -83,7 +93,7 @@ def test_int8_moments_round_trip(signed):
     x = rng.normal(size=(3, 1000)).astype("float32") * np.logspace(-4, 0, 1000, dtype="float32")
     if not signed:
         x = x**2
-    codes, scales = codecs.encode_moment(x, "int8", signed, seed=3, block=256)
+    codes, scales = codecs.encode_moment(x, "int8", signed, codecs.uniforms(x.shape, 3, 1)[0], 256)
     assert keras.backend.standardize_dtype(codes.dtype) == "uint8"
     assert tuple(codes.shape) == (12, 250) and tuple(scales.shape) == (12,)  # equal blocks
     back = np_(codecs.decode_moment(codes, scales, "int8", signed, x.shape))
@@ -99,10 +109,11 @@ def test_int8_moments_follow_a_slow_average():
     # v <- 0.999 v + 0.001 g**2 with g**2 = 1 from v = 2: a change of 0.05% per step, far
     # below one code step; stochastic codes still follow the float32 average.
     v, exact = np.full((1, 4096), 2.0, "float32"), 2.0
-    codes, scales = codecs.encode_moment(v, "int8", False, seed=0)
+    codes, scales = codecs.encode_moment(v, "int8", False)
     for step in range(1000):
         cur = codecs.decode_moment(codes, scales, "int8", False, v.shape)
-        codes, scales = codecs.encode_moment(cur * 0.999 + 0.001, "int8", False, seed=step + 1)
+        noise = codecs.uniforms(v.shape, step + 1, 3)[step % 3]
+        codes, scales = codecs.encode_moment(cur * 0.999 + 0.001, "int8", False, noise)
         exact = exact * 0.999 + 0.001
     got = np_(codecs.decode_moment(codes, scales, "int8", False, v.shape)).mean()
     assert abs(got - exact) / exact < 0.03, (got, exact)
