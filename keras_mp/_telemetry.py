@@ -104,8 +104,11 @@ class Telemetry:
             name = type(getattr(model, "optimizer", None)).__name__
             raise ValueError(
                 f"{who} needs a model compiled with a LossScaleOptimizer, but the model's "
-                f"optimizer is {name}. Wrap it: `kmp.LossScaleOptimizer(optimizer)` (or compile "
-                "under the 'mixed_float16' policy, which wraps it automatically)."
+                f"optimizer is {name} while layers of model {model.name!r} compute in float16, "
+                "whose small gradients underflow without loss scaling. Wrap it: "
+                "`kmp.LossScaleOptimizer(optimizer)` (compiling under a keras_mp float16 "
+                "policy wraps it automatically), or train under 'mixed_bfloat16', which "
+                "needs no loss scaling."
             )
         self.optimizer = opt
         self.reader = StateReader(model)
