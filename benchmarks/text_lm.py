@@ -11,7 +11,10 @@ by side: ratios only).
     KERAS_BACKEND=tensorflow python benchmarks/text_lm.py --steps 1500 \\
         --out benchmarks/results/text_lm.json
 
-`--steps 20 --layers 1` is a smoke run.
+`--steps 20 --layers 1` is a smoke run. `--policies` also takes lean variants written
+`lean_bfloat16:ROUNDING:MOMENTS` (e.g. `lean_bfloat16:stochastic:bfloat16`): the model
+converted to `lean_bfloat16` and compiled with `kmp.LeanOptimizer(AdamW(...), rounding=...,
+moments=...)`.
 """
 
 from __future__ import annotations
@@ -76,17 +79,22 @@ def run_policy(policy: str, base, data: dict, args) -> dict:
 
     import keras_mp as kmp
 
+    name, *variant = policy.split(":")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # pure bfloat16 warns: on purpose
-        if policy == "bfloat16":
+        if name == "bfloat16":
             model = kmp.convert(base, kmp.Policy("bfloat16", keep_fp32=()))
         else:
-            model = kmp.convert(base, policy)
+            model = kmp.convert(base, name)
     schedule = keras.optimizers.schedules.CosineDecay(
         0.0, args.steps, alpha=0.1, warmup_target=args.lr, warmup_steps=args.steps // 20
     )
+    optimizer = keras.optimizers.AdamW(schedule, weight_decay=0.01, global_clipnorm=1.0)
+    if variant:
+        rounding, moments = variant
+        optimizer = kmp.LeanOptimizer(optimizer, rounding=rounding, moments=moments)
     model.compile(
-        optimizer=keras.optimizers.AdamW(schedule, weight_decay=0.01, global_clipnorm=1.0),
+        optimizer=optimizer,
         loss=kmp.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=True,
     )

@@ -67,6 +67,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
       bfloat16 buffer instead (4 bytes); `"stochastic"` keeps no buffer and rounds up or
       down at random, unbiased (2 bytes).
     - a float32 weight (a layer the keep-list pins) is updated exactly.
+    - a gradient with an inf or NaN leaves its weight and moments as they were.
     - the moments are stored as `moments="int8"` (block-wise 8-bit codes with a float32
       scale per `block_size` values; 2 bytes a parameter for Adam's two moments),
       `"bfloat16"` or `"float32"`. Tensors smaller than `min_quantized_size` keep float32
@@ -398,7 +399,7 @@ def lean_rule(static: _Static, hyper: _Hyper, values: dict) -> dict:
 
     Returns:
         A dict with the new `weight` and, where given, `compensation`, `m`, `m_scale`,
-        `v`, `v_scale`.
+        `v`, `v_scale`; all as given when the gradient has an inf or NaN.
     """
     shape = static.shape
     g = ops.cast(values["grad"], "float32")
@@ -452,7 +453,10 @@ def lean_rule(static: _Static, hyper: _Hyper, values: dict) -> dict:
             out["compensation"] = compensation
     else:
         out["weight"] = ops.cast(target, static.weight_dtype)
-    return out
+    # A non-finite gradient (a NaN batch, an overflow) changes neither the weight nor its
+    # state: the stored values are kept as they are (a select, fused into the update).
+    finite = ops.all(ops.isfinite(g))
+    return {k: ops.where(finite, x, values[k]) for k, x in out.items()}
 
 
 def _read(variable):

@@ -371,3 +371,41 @@ def test_audit_reports_the_training_state():
     fresh.compile(optimizer="adam", loss="mse")
     kmp.audit(fresh, x)
     assert not fresh.optimizer.built  # the audit builds nothing
+
+
+def test_non_finite_gradients_change_nothing_and_calibration_and_guard_work():
+    x, y = _data(64)
+    model = kmp.convert(_mlp(), "lean_bfloat16", calibrate=x[:32])
+    loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer="adam", loss=loss)
+    model.train_on_batch(x[:8], y[:8])
+    opt = model.optimizer
+    state = lambda: {v.path: np_(v.value) for v in model.trainable_variables + opt.variables}
+    before = state()
+    bad = x[8:16].copy()
+    bad[0, 0] = np.nan  # ReLU turns the NaN hidden units into 0: only the first kernel's
+    model.train_on_batch(bad, y[8:16])  # gradient is NaN, the loss is finite
+    after = state()
+    first = model.layers[1].kernel.path.replace("/", "_")
+    for path in before:
+        same = np.array_equal(before[path], after[path])
+        if path == model.layers[1].kernel.path or path.split("/")[-1].startswith(first):
+            assert same, path  # the kernel, its compensation and moments kept
+        assert np.isfinite(after[path]).all(), path
+    second = model.layers[2].kernel.path
+    assert not np.array_equal(before[second], after[second])
+
+    reg = kmp.convert(_mlp(), "lean_bfloat16")
+    reg.compile(optimizer="adamw", loss="mse")
+    target = np.zeros((8, 3), "float32")
+    reg.train_on_batch(x[:8], target)
+    before = [np_(v.value) for v in reg.trainable_variables + reg.optimizer.variables[1:]]
+    target[0, 0] = np.nan  # the loss itself is NaN: every gradient is
+    reg.train_on_batch(x[:8], target)
+    after = [np_(v.value) for v in reg.trainable_variables + reg.optimizer.variables[1:]]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    guard = kmp.callbacks.NonFiniteGuard(patience=2)
+    reg.fit(x[:40], np.full((40, 3), np.nan, "float32"), batch_size=8, callbacks=[guard],
+            verbose=0)
+    assert reg.stop_training
