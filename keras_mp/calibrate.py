@@ -34,6 +34,7 @@ import numpy as np
 
 from keras_mp import keep_list
 from keras_mp._probe import activation_gradients, matmul_flops, trace, unpack
+from keras_mp._trial import forward_failure
 
 __all__ = [
     "Calibration",
@@ -324,17 +325,23 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
         result.calibration = cal
         return result
 
-    def grow(layer):
-        address, reason = where[id(layer)], _INTERNAL.format(dtype=low)
+    def grow(layer, reason=None):
+        address, reason = where[id(layer)], reason or _INTERNAL.format(dtype=low)
         step = steps[address] = steps.get(address, -1) + 1
+        if step == 1 and not _score_projections(layer):
+            step = steps[address] = 2
         if step == 0:
             same = [x for x in layers if type(x) is type(layer)]
             for x in same if not type(layer).__module__.startswith("keras.") else [layer]:
                 steps.setdefault(where[id(x)], 0)
                 cal.tight[where[id(x)]] = reason
-        elif step == 1 and _score_projections(layer):
+        elif step == 1:
             for x in _score_projections(layer):
                 cal.tight[where[id(x)]] = f"{reason} (the scores of {address!r})"
+        elif step == 2:  # the layer and its sublayers, not lifted
+            for x in layer._flatten_layers(include_self=False):
+                if id(x) in where:
+                    cal.tight.setdefault(where[id(x)], f"{reason} (inside {address!r})")
         else:
             pins[address] = reason
 
@@ -345,8 +352,12 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
             try:
                 bad = overflowing(new, items, ranges)
             except Exception as e:  # noqa: BLE001 - e.g. JAX's CPU has no float16 dot
-                if last:  # the latest pin broke the model (a float32 tensor in low math)
-                    grow(last[-1])
+                # A pin's float32 tensor may meet low-precision math (a raw op on both):
+                # the layer that raised grows (or, if low, runs its own math in float32).
+                failed = forward_failure(new, items[0][0]) if last else None
+                if failed is not None and failed.address in layer_at:
+                    grow(layer_at[failed.address], f"{failed.error[:100]} (after a "
+                         "calibration pin)")
                     the_plan, new = make_plan(), None
                     continue
                 the_plan.notes.append(f"converted model not checked here ({type(e).__name__})")
