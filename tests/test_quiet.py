@@ -53,5 +53,5 @@ def test_converting_between_fits_does_not_repeat_keras_warnings():
             trained.fit(data, epochs=1, verbose=0, shuffle=True)
             kmp.global_policy()
     texts = [str(w.message) for w in shown]
-    assert sum("`shuffle=True` was passed" in t for t in texts) == 1, texts
+    assert sum("`shuffle=True` was passed" in t for t in texts) <= 1, texts  # Keras 3.12: 0
     assert sum("structure of `inputs` doesn't match" in t for t in texts) == 1, texts
