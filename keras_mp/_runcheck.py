@@ -53,6 +53,7 @@ class RunCheck:
         pinned: `address -> reason` of the layers the check pinned.
         checked: whether the converted model ran (False: the check could not run; see
             `notes`).
+        finite: whether its outputs were finite on the batch (None: not run).
         seconds: the time the check took.
         fp32_flops: share of the model's matmul FLOPs in float32 (every pin).
         check_flops: share of them that the check's pins added.
@@ -63,6 +64,7 @@ class RunCheck:
     inputs: str = ""
     pinned: dict = dataclasses.field(default_factory=dict)
     checked: bool = False
+    finite: bool | None = None
     seconds: float = 0.0
     fp32_flops: float | None = None
     check_flops: float | None = None
@@ -158,7 +160,8 @@ def repair(
     fp32_ok = None
     trained = not train
     for _ in range(_ROUNDS):
-        failure = forward_failure(new, x)
+        finite = []
+        failure = forward_failure(new, x, finite)
         stage = "its forward pass fails"
         if failure is None and not trained:
             error = train_failure(new, x)
@@ -168,7 +171,7 @@ def repair(
                 stage = "its compiled gradient step fails"
                 failure = RunFailure(None, None, error)
         if failure is None:
-            result.checked = True
+            result.checked, result.finite = True, finite[-1]
             break
         if fp32_ok is None:  # a batch float32 cannot run either says nothing about dtypes
             fp32_ok = forward_failure(model, x) is None and (
@@ -300,7 +303,7 @@ def run_check(model, the_plan, new, x, inputs: str, check: str, convert: Callabl
     train = check == "train" or (check == "auto" and bool(resizing))
     new = checked(model, the_plan, x, inputs, train, convert)
     if (recalibrate is not None and policy.compute_dtype == "float16"
-            and not finite_outputs(new, x) and finite_outputs(model, x)):
+            and new.precision_plan.check.finite is False and finite_outputs(model, x)):
         found = new.precision_plan.check.pinned
         the_plan = recalibrate(x)
         the_plan.notes.append(

@@ -109,9 +109,10 @@ def _compiled_call(model, x):
     return model(x, training=False)
 
 
-def forward_failure(model: keras.Model, x) -> RunFailure | None:
+def forward_failure(model: keras.Model, x, finite: list | None = None) -> RunFailure | None:
     """Calls `model` on `x` once, compiled as `predict` runs it; None if it ran, else where
-    it failed: the innermost layer whose call raised, or the layer an op error names."""
+    it failed: the innermost layer whose call raised, or the layer an op error names.
+    When it ran, whether every floating output is finite is appended to `finite`."""
     layers, _ = keep_list.layer_tree(model)
     where = keep_list.addresses(model)
     found: list = []
@@ -128,14 +129,24 @@ def forward_failure(model: keras.Model, x) -> RunFailure | None:
         return watched
 
     try:
-        _hooked(model, watch, lambda: _compiled_call(model, x))
+        outputs = _hooked(model, watch, lambda: _compiled_call(model, x))
     except Exception as e:  # noqa: BLE001 - reported, then pinned or re-raised by the caller
         if found:
             layer, inner = found[0]
             return RunFailure(layer, where.get(id(layer)), first_line(inner))
         layer = _named_in(e, where, layers)
         return RunFailure(layer, where.get(id(layer)), first_line(e))
+    if finite is not None:
+        finite.append(_all_finite(outputs))
     return None
+
+
+def _all_finite(outputs) -> bool:
+    for t in keras.tree.flatten(outputs):
+        a = np.asarray(keras.ops.convert_to_numpy(t))
+        if a.dtype.kind in "fV" and not np.isfinite(a.astype("float32")).all():
+            return False
+    return True
 
 
 def _objective(outputs):
@@ -199,8 +210,4 @@ def _train_failure(model: keras.Model, x) -> str | None:
 
 def finite_outputs(model: keras.Model, x) -> bool:
     """Whether every floating output of `model` on `x` (compiled, as `predict`) is finite."""
-    for t in keras.tree.flatten(_compiled_call(model, x)):
-        a = np.asarray(keras.ops.convert_to_numpy(t))
-        if a.dtype.kind in "fV" and not np.isfinite(a.astype("float32")).all():
-            return False
-    return True
+    return _all_finite(_compiled_call(model, x))
