@@ -126,9 +126,15 @@ def _after_compile(model, arguments: dict) -> None:
     from keras_mp.loss_scale import LossScaleOptimizer
 
     opt = getattr(model, "optimizer", None)
-    if opt is None or isinstance(opt, (LossScaleOptimizer, LeanOptimizer)):
+    if opt is None or isinstance(opt, LeanOptimizer):
         return
-    if not arguments.get("auto_scale_loss", True):
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer) and wants_lean_optimizer(model):
+        raise ValueError(
+            f"Model {model.name!r} stores bfloat16 weights (policy 'lean_bfloat16'), which "
+            "need no loss scaling: compile it with the inner optimizer (Adam, AdamW or SGD; "
+            "it becomes kmp.LeanOptimizer) instead of a LossScaleOptimizer."
+        )
+    if isinstance(opt, LossScaleOptimizer) or not arguments.get("auto_scale_loss", True):
         return
     if wants_lean_optimizer(model):
         with DotNotTrackScope():

@@ -256,6 +256,8 @@ def test_bad_configurations_fail_with_clear_errors():
     model = kmp.convert(_mlp(), "lean_bfloat16")
     with pytest.raises(ValueError, match="Adam, AdamW and SGD"):
         model.compile(optimizer="rmsprop", loss="mse")
+    with pytest.raises(ValueError, match="need no loss scaling"):
+        model.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse")
 
 
 @pytest.mark.parametrize("rounding", ["kahan", "stochastic"])

@@ -47,7 +47,7 @@ def test_policy_names_dtypes_and_base():
         "float16": ("float16", "float16"),
         "bfloat16": ("bfloat16", "bfloat16"),
     }
-    assert policies.VALID_NAMES == tuple(table) + ("float8",)
+    assert policies.VALID_NAMES == tuple(table) + ("float8", "lean_bfloat16")
     for name, (compute, variable) in table.items():
         policy = _policy(name)
         assert isinstance(policy, keras.DTypePolicy)
