@@ -138,7 +138,10 @@ def _loss_scale(model, loss_scale) -> tuple[float, str]:
         return float(to_numpy(opt.dynamic_scale.value)), "the compiled optimizer's"
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         return float(opt.initial_scale), "the compiled optimizer's initial"
-    return 2.0**16, "default 2**16; no LossScaleOptimizer compiled"
+    from keras_mp.loss_scale import LossScaleConfig
+
+    default = LossScaleConfig().initial_scale
+    return default, f"default 2**{math.log2(default):.0f}; no LossScaleOptimizer compiled"
 
 
 def _stock_scaler_message(model) -> str | None:
@@ -188,7 +191,8 @@ def audit(
             columns are skipped (the report says so).
         loss: loss for the gradients; default: the compiled loss.
         loss_scale: scale for the "at scale" column; default: the scale of a compiled
-            `LossScaleOptimizer`, else 2**16.
+            `LossScaleOptimizer`, else `kmp.LossScaleOptimizer`'s default initial
+            scale (2**15).
         keep_fp32: extra layers that must stay float32: layer classes, class names or
             `fnmatch` patterns over layer names/paths (softmax, normalization, attention
             and output layers are always checked).

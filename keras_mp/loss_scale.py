@@ -42,7 +42,7 @@ class LossScaleConfig:
             steps are still skipped and counted.
     """
 
-    initial_scale: float = 2.0**16
+    initial_scale: float = 2.0**15
     growth_interval: int = 2000
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -243,9 +243,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     no `iterations` change. The scale follows `update_loss_scale`, which keeps it
     finite and inside `[min_scale, max_scale]`.
 
-    Unlike stock Keras (whose defaults are `initial_scale=2**15`, no bounds, no
-    hysteresis), the default `initial_scale` is `2**16` and the scale is capped at
-    `max_scale=2**24` and floored at `min_scale=1`.
+    Unlike stock Keras (no bounds, no hysteresis), the scale is capped at
+    `max_scale=2**24` and floored at `min_scale=1`. The default `initial_scale` is
+    stock Keras' `2**15`: at 2**16 (just above float16's largest value, 65504) any
+    gradient element of magnitude 1 overflows, and the first steps of fresh
+    transformers were skipped where 2**15 skipped none (docs/loss-scaling.md).
 
     Telemetry, kept as optimizer variables (saved, restored and synchronised like any
     other): `dynamic_scale` (alias `loss_scale`), `step_counter` (consecutive good
@@ -275,7 +277,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
-        initial_scale: float = 2.0**16,
+        initial_scale: float = 2.0**15,
         growth_interval: int = 2000,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,

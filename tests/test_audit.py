@@ -61,7 +61,7 @@ def test_audit_of_the_bfloat16_model_sees_no_fp16_overflow():
     assert pure["logits"].runs_low and pure["logits"].fp32_reason == "model output"
 
 
-def test_audit_reports_gradient_underflow_at_scale_1_versus_2_16():
+def test_audit_reports_gradient_underflow_at_scale_1_versus_the_default_2_15():
     # Feature i of x has magnitude 10**(-4 - 0.6 i): gradients span 1e-5 .. 1e-14.
     rng = np.random.default_rng(1)
     x = (rng.uniform(0.5, 1.0, (32, 16)) * 10.0 ** (-4 - 0.6 * np.arange(16))).astype("float32")
@@ -72,20 +72,20 @@ def test_audit_reports_gradient_underflow_at_scale_1_versus_2_16():
     model.compile(optimizer="sgd", loss="mse")
     report = kmp.audit(model, (x, y))
     assert (report.loss_scale, report.loss_scale_source) == (
-        2.0**16, "default 2**16; no LossScaleOptimizer compiled")
+        2.0**15, "default 2**15; no LossScaleOptimizer compiled")
 
     # Reference: d/dW mean((xW - y)^2) = 2/(N*U) x^T (xW - y), in float64. An element
     # underflows when |g * s| <= 2**-25 (it rounds to 0 in float16).
     x64, w64, y64 = (a.astype("float64") for a in (x, w, y))
     g = 2.0 / y.size * x64.T @ (x64 @ w64 - y64)
     expected_1 = np.mean(np.abs(g) <= 2.0**-25)
-    expected_s = np.mean(np.abs(g) * 2.0**16 <= 2.0**-25)
+    expected_s = np.mean(np.abs(g) * 2.0**15 <= 2.0**-25)
     v = report.layers[0].variables[0]
     assert abs(v.grad_underflow_at_1 - expected_1) <= 1 / g.size
     assert abs(v.grad_underflow_at_scale - expected_s) <= 1 / g.size
     assert 0.7 < v.grad_underflow_at_1 < 0.85 and 0.2 < v.grad_underflow_at_scale < 0.35
     assert v.grad_max_abs == pytest.approx(np.abs(g).max(), rel=1e-5)
-    assert any("underflow in float16 at loss scale 65536: raise the loss scale" in a
+    assert any("underflow in float16 at loss scale 32768: raise the loss scale" in a
                for a in report.advice)
 
     # With a compiled LossScaleOptimizer its scale is used.

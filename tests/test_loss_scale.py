@@ -251,7 +251,7 @@ def test_inner_clipnorm_clips_true_gradients():
 
 # ------------------------------------------------------ stock Keras test expectations
 # Ported from keras/src/optimizers/loss_scale_optimizer_test.py. Our defaults differ by
-# design (initial_scale 2**16 instead of 2**15, max_scale 2**24, min_scale 1); these
+# design (max_scale 2**24, min_scale 1; the initial scale is 2**15 as in Keras); these
 # cases pass explicit values or do not depend on them.
 
 
