@@ -27,6 +27,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
 
 
+# What the zoo page says about the models keras_mp needed more than its keep-list for.
+_STORY = (
+    "Models stock Keras mixed precision cannot train (marked **stock Keras fails** below, "
+    "with the pins keras_mp added beyond its keep-list and their share of the matmul "
+    "FLOPs) train under keras_mp: `kmp.convert`'s run check ([converting.md]"
+    "(converting.md#layers-that-cannot-run-in-the-low-dtype-the-run-check)) pins the "
+    "layers that raise in float16 alone (ESM's and ESM-2's `ESMRotaryEmbedding`, RoFormer "
+    "V2's position embedding, D-FINE's encoder and anchor generator: a `range` built in "
+    "float16; Flux's timestep embedding), and, on TensorFlow, compiles one gradient step "
+    "for models that resize bilinearly and pins the resizing layers whose XLA gradient "
+    "fails in float16 and bfloat16 (DeepLabV3, SegFormer, BASNet); none of these pins has "
+    "a matmul. Where float16 outputs are non-finite at random initialisation, calibration "
+    "pins the smallest part that the converted model, run again, confirms "
+    "([calibration.md](calibration.md)): in the T5 family, each attention layer's own math "
+    "(its padding mask times -1e9 is NaN in float16), 0.0% of T5's matmul FLOPs; RWKV-7's "
+    "blocks mix float32 and float16 in raw TensorFlow ops, so its pins grow to whole "
+    "blocks. The convert stage calibrates on the entry's batch where plain conversion "
+    "gives non-finite outputs (`calibrate=batch` in the note), as a user would.",
+)
+
+
 def _done(path: str) -> set:
     if not os.path.exists(path):
         return set()
@@ -55,8 +76,11 @@ def sweep(args) -> int:
             except Exception as e:  # noqa: BLE001 - the float32 build itself failed
                 row = {"entry": entry.name, "policy": policy, "build": str(e)[:240]}
             failed = [s for s in convert_stages.STAGES if row.get(s) not in (None, "ok", "-")]
-            if failed or "build" in row:
+            if failed or "build" in row or row.get("pin_detail") or row.get("calibrated"):
+                # Pins beyond the keep-list: does stock Keras train this model at all?
                 row["stock"] = convert_stages.stock(entry, policy)
+            if failed or "build" in row:
+                row["float32"] = convert_stages.float32(entry)
             row.update(backend=backend, family=entry.family, kind=entry.kind,
                        seconds=round(time.perf_counter() - start, 1))
             with open(args.out, "a") as f:
@@ -67,15 +91,38 @@ def sweep(args) -> int:
 
 
 def _status(row: dict) -> str:
-    """"pass", "stock" (fails where stock Keras fails too) or "fail"."""
+    """"pass"; "rescued" (passes, stock Keras mixed precision fails); "float32" (fails
+    where the float32 model fails too); "stock" (fails where stock Keras fails too, float32
+    not run or fine); or "fail"."""
     import convert_stages
 
     failed = "build" in row or any(
         row.get(s) not in (None, "ok", "-") for s in convert_stages.STAGES
     )
     if not failed:
-        return "pass"
+        return "rescued" if row.get("stock", "ok") != "ok" else "pass"
+    if row.get("float32", "ok") != "ok":
+        return "float32"
     return "stock" if row.get("stock", "ok") != "ok" else "fail"
+
+
+def _pins_note(row: dict) -> str:
+    """The pins beyond the keep-list, each with its share of the matmul FLOPs."""
+    parts = []
+    for p in row.get("pin_detail") or []:
+        cost = "" if p.get("cost") is None else f", {100 * p['cost']:.1f}%"
+        why = "run check" if p["reason"].startswith("run check") else "calibration"
+        parts.append(f"{p['class']} ({why}{cost})")
+    counts = {}
+    for part in parts:
+        counts[part] = counts.get(part, 0) + 1
+    text = "; ".join(f"{n}× {k}" if n > 1 else k for k, n in counts.items())
+    share = row.get("check_fp32_flops", row.get("calibration_fp32_flops"))
+    if share is not None and text:
+        text += f"; {100 * share:.1f}% of matmul FLOPs in float32"
+    if row.get("calibrated"):
+        text = "calibrate=batch; " + text
+    return text
 
 
 def markdown(paths: list, out: str) -> int:
@@ -113,22 +160,12 @@ def markdown(paths: list, out: str) -> int:
         "Keras' own mixed precision), **fit** (three steps, `kmp.LossScaleOptimizer` under "
         "mixed_float16, `kmp.losses` for logits, XLA on TensorFlow, finite losses), **save** "
         "(`.keras` round trip: weights, dtypes, outputs), **audit** (`kmp.audit` runs). Where "
-        "a stage fails, the same model is run under stock Keras mixed precision: a failure "
-        "stock Keras shares is marked *stock*.",
+        "keras_mp pinned layers beyond its keep-list (its run check, or calibration on the "
+        "entry's batch where float16 outputs were non-finite), or a stage fails, the same "
+        "model is also trained under stock Keras mixed precision; where a stage fails, the "
+        "float32 model is trained too.",
         "",
-        "Non-finite losses under mixed_float16 (the T5 family, RWKV-7) are activations past "
-        "float16's range at random initialisation, in stock Keras too: `kmp.convert(model, "
-        "\"mixed_float16\", calibrate=batches)` pins the layers that overflow "
-        "([calibration.md](calibration.md) shows keras_hub's T5Backbone training that way). "
-        "Errors raised inside keras_hub layers under float16 (position embeddings of ESM and "
-        "RoFormer V2, D-FINE, SAM 3, Flux) and TensorFlow's XLA gradient of bilinear resizing in "
-        "a low dtype (DeepLabV3, SegFormer, BASNet, under either policy) are stock Keras' as "
-        "well; without XLA (`jit_compile=False`) DeepLabV3 converts, trains, saves and audits "
-        "under mixed_float16. Under mixed_bfloat16 (float32's range) the T5 family, RWKV-7, "
-        "ESM, RoFormer V2, D-FINE and Flux pass every stage; SAM 3's training step meets an op "
-        "XLA:CPU does not compile (stock Keras too). The `keras.applications` models are "
-        "full-size (`weights=None`): the sweep took the smallest of each family, under "
-        "mixed_float16.",
+        *_STORY,
         "",
         "A relative error of 1.0 that stock Keras shares (the `keras.applications` "
         "MobileNets under mixed_float16) is not a wrong result: at random initialisation "
@@ -139,13 +176,17 @@ def markdown(paths: list, out: str) -> int:
     lines += ["Records (one JSON line per model, backend and policy): "
               + ", ".join(f"`{os.path.relpath(p)}`" for p in paths) + ".", ""]
     summary = {}
+    kinds = ("pass", "rescued", "float32", "stock", "fail")
     for r in rows:
         key = (r["backend"], r["policy"])
-        summary.setdefault(key, {"pass": 0, "stock": 0, "fail": 0})[_status(r)] += 1
-    lines += ["| backend | policy | models | pass | fail where stock Keras fails too | fail |",
-              "|---|---|---|---|---|---|"]
+        summary.setdefault(key, dict.fromkeys(kinds, 0))[_status(r)] += 1
+    lines += ["| backend | policy | models | pass | of them, train under keras_mp where stock "
+              "Keras fails | fail where float32 fails too | fail where stock Keras fails too "
+              "| fail |",
+              "|---|---|---|---|---|---|---|---|"]
     for (backend, policy), c in sorted(summary.items()):
-        lines.append(f"| {backend} | {policy} | {sum(c.values())} | {c['pass']} | "
+        lines.append(f"| {backend} | {policy} | {sum(c.values())} | "
+                     f"{c['pass'] + c['rescued']} | {c['rescued']} | {c['float32']} | "
                      f"{c['stock']} | {c['fail']} |")
     import zoo
 
@@ -169,12 +210,19 @@ def markdown(paths: list, out: str) -> int:
                  for s in stages]
         err = r.get("relative_error")
         status = _status(r)
-        note = {"pass": "", "stock": "stock Keras fails too: ", "fail": ""}[status]
         detail = r.get("build") or next(
             (r[s] for s in stages if r.get(s) not in (None, "ok", "-")), "")
         if status == "stock":
-            detail = r.get("stock", "")
-        note = (note + detail)[:110] if status != "pass" else r.get("save_note", "")[:110]
+            note = ("stock Keras fails too: " + r.get("stock", ""))[:110]
+        elif status == "float32":
+            note = ("float32 fails too: " + r.get("float32", ""))[:110]
+        elif status == "fail":
+            note = detail[:110]
+        elif status == "rescued":
+            note = ("**stock Keras fails** (" + r.get("stock", "")[:60] + "); pins: "
+                    + _pins_note(r))
+        else:
+            note = "; ".join(x for x in (_pins_note(r), r.get("save_note", "")[:110]) if x)
         lines.append(
             f"| {r['entry']} | {r['backend']} | {r['policy']} | " + " | ".join(cells)
             + f" | {'' if err is None else f'{err:.1e}'} | {note.replace('|', '/')} |"

@@ -13,7 +13,10 @@
 3. `fit`: three steps with `kmp.LossScaleOptimizer` under mixed_float16 (Adam otherwise),
    the entry's loss (`kmp.losses.SparseCategoricalCrossentropy` for logits), XLA as `jit`
    says (the sweep: always on TensorFlow): every loss finite.
-4. `save`: `.keras` save and `keras.saving.load_model`: same weights, same compute dtype for
+4. `save`: `.keras` save and `keras.saving.load_model` in a fresh Keras session, as another
+   process loads it (Keras' name counters restart: a model with auto-named layers, loaded
+   in the session that built it, gets other names and paths, which its saved policy map
+   does not name): same weights, same compute dtype for
    every layer, same outputs.
 5. `audit`: `kmp.audit(converted, (x, y))` runs, probes every layer and gives a verdict.
 
@@ -242,6 +245,7 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
         for fp32, how in candidates:
             with tempfile.TemporaryDirectory() as tmp:
                 fp32.save(os.path.join(tmp, "fp32.keras"))
+                keras.backend.clear_session(free_memory=False)
                 again = keras.saving.load_model(os.path.join(tmp, "fp32.keras"), compile=False)
             try:
                 if any(not np.array_equal(a, b) for _, a, b in _pairs(fp32, again)):
@@ -262,6 +266,7 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
                 return
             path = os.path.join(tmp, "m.keras")
             converted.save(path)
+            keras.backend.clear_session(free_memory=False)  # as a new process loads it
             loaded = kmp.saving.load_model(path, compile=False)
         try:
             for path, a, b in _pairs(converted, loaded):

@@ -5,7 +5,8 @@ the stages of `convert_stages.run`: convert (original untouched, master weights
 bit-identical, layers as planned), forward within `convert_stages.TOLERANCE` of float32,
 three `fit` steps with finite losses (`kmp.LossScaleOptimizer` and XLA under
 mixed_float16), `.keras` round trip (same weights, dtypes and outputs), audit. A stage that
-fails where stock Keras mixed precision fails too is an expected failure, not ours.
+fails where the float32 model fails too is an expected failure, not ours; one that only
+stock Keras mixed precision shares is ours (keras_mp pins what cannot run low: issue 28).
 
 The default run takes a representative subset (one policy per model, alternating); the
 whole zoo under both policies runs with `-m slow -k full_zoo`, or as a table with
@@ -26,6 +27,7 @@ SUBSET = {
         ("hub.GPT2CausalLM", "mixed_bfloat16"),  # a decoder LM task
         ("hub.Qwen3Backbone", "mixed_float16"),  # layer configs do not round-trip
         ("hub.ESMBackbone", "mixed_bfloat16"),  # variables listed in another order
+        ("hub.ESMBackbone", "mixed_float16"),  # no float16 Range kernel: the run check pins
         ("hub.ViTBackbone", "mixed_float16"),  # patching layer cannot be rebuilt
         ("user.SubclassedNoConfig", "mixed_float16"),
         ("user.Nested", "mixed_bfloat16"),
@@ -47,9 +49,9 @@ def _check(name: str, policy: str, jit=None) -> dict:
     result = convert_stages.run(entry, policy, jit=jit)
     failed = {s: result[s] for s in convert_stages.STAGES if result.get(s) != "ok"}
     if failed:
-        stock = convert_stages.stock(entry, policy)
-        if stock != "ok":
-            pytest.xfail(f"stock Keras fails too: {stock}")
+        fp32 = convert_stages.float32(entry)
+        if fp32 != "ok":
+            pytest.xfail(f"the float32 model fails too: {fp32}")
     assert not failed, failed
     return result
 
