@@ -55,3 +55,48 @@ def test_converting_between_fits_does_not_repeat_keras_warnings():
     texts = [str(w.message) for w in shown]
     assert sum("`shuffle=True` was passed" in t for t in texts) <= 1, texts  # Keras 3.12: 0
     assert sum("structure of `inputs` doesn't match" in t for t in texts) == 1, texts
+
+
+_PLAIN_KERAS = r"""
+import json, os, sys, warnings
+shown = []
+warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message)[:60])
+if sys.argv[1] == "with":
+    import keras_mp  # noqa: F401
+import keras
+import numpy as np
+import tensorflow as tf
+
+keras.utils.set_random_seed(0)
+keras.config.set_dtype_policy("mixed_float16")
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="gelu"),
+                          keras.layers.Dense(1)])
+model.compile(optimizer="adam", loss="mse")
+x = np.linspace(-2, 2, 64, dtype="float32").reshape(8, 8)
+data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(4)
+losses = [model.fit(data, epochs=1, verbose=0, shuffle=True).history["loss"][0]
+          for _ in range(2)]
+print(json.dumps({"optimizer": type(model.optimizer).__module__ + type(model.optimizer).__name__,
+                  "losses": losses, "out": np.asarray(model(x), "float32").tolist(),
+                  "shown": shown, "policy": keras.config.dtype_policy().name}))
+"""
+
+
+@pytest.mark.tf_only
+def test_importing_keras_mp_leaves_plain_keras_code_as_it_was():
+    # Code that does not use keras_mp computes, warns and wraps exactly as without it.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    runs = {}
+    for mode in ("without", "with"):
+        done = subprocess.run([sys.executable, "-c", _PLAIN_KERAS, mode], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["with"] == runs["without"]
+    assert runs["with"]["optimizer"].endswith("LossScaleOptimizer")  # Keras' own wrapping
+    assert "keras_mp" not in runs["with"]["optimizer"]
