@@ -142,3 +142,32 @@ def test_failure_that_pinning_cannot_fix_names_the_layer_and_the_option():
     model = keras.Model(inputs, AlwaysFails(name="picky")(h))
     # Pinned, the layer gets float32 inputs (Keras casts them) and runs: no error.
     assert [p.path for p in kmp.convert(model, "mixed_float16").precision_plan.pins] == ["picky"]
+
+
+def _upsampler():
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv")(inputs)
+    h = keras.layers.UpSampling2D(2, interpolation="bilinear", name="up")(h)
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv2")(h)
+    return keras.Model(inputs, keras.layers.Conv2D(1, 1, name="head")(h))
+
+
+@pytest.mark.tf_only  # TensorFlow's XLA has no float16 ResizeBilinearGrad next to a ReLU
+def test_bilinear_resize_whose_xla_gradient_fails_is_pinned_and_the_model_trains():
+    model = _upsampler()
+    images = np.random.default_rng(0).uniform(size=(2, 8, 8, 3)).astype("float32")
+    targets = np.zeros((2, 16, 16, 1), "float32")
+    forward_only = kmp.convert(model, "mixed_float16", check="forward")
+    assert not forward_only.precision_plan.pins
+    assert any("['up'] resize in float16" in n and "check='train'" in n
+               for n in forward_only.precision_plan.notes)
+
+    converted = kmp.convert(model, "mixed_float16")  # "auto": a gradient step, as it resizes
+    plan = converted.precision_plan
+    assert plan.check.mode == "train"
+    assert [p.path for p in plan.pins] == ["up"]
+    assert plan.pins[0].reason.startswith("run check: gradient step fails in float16")
+    assert "Seen floating point types of different precisions" in plan.pins[0].reason
+    assert converted.get_layer("conv2").compute_dtype == "float16"
+    converted.compile(optimizer="adam", loss="mse", jit_compile=True)
+    assert np.isfinite(converted.train_on_batch(images, targets))
