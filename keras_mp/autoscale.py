@@ -137,8 +137,13 @@ def _after_compile(model, arguments: dict) -> None:
     if isinstance(opt, LossScaleOptimizer) or not arguments.get("auto_scale_loss", True):
         return
     if wants_lean_optimizer(model):
+        from keras_mp.model_copy import float32_statistics
+
         with DotNotTrackScope():
             model.optimizer = LeanOptimizer(opt)  # names what it supports otherwise
+        # Normalization statistics made in bfloat16 (layers built under the global policy)
+        # would stall: their averages move by less than bfloat16's precision.
+        float32_statistics(model)
         # Saved with the model, so loading restores the lean optimizer and its variables.
         model._compile_config.config["optimizer"] = model.optimizer
         return

@@ -320,7 +320,7 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
     apply_plan(new, the_plan, _runcheck.alone(policy_map(policy, the_plan, new), the_plan, new))
     _save_the_dtype(new)
     if not policy.has_master_weights:
-        recast_variables(new)
+        recast_variables(new, trainable_only=policy.is_lean)
     if policy.name == "float8":
         from keras_mp.float8 import apply_float8
 

@@ -23,7 +23,7 @@ from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils.backend_utils import DynamicBackend
 from keras.src.utils.tracking import DotNotTrackScope
 
-__all__ = ["copy_model", "pair_layers", "pair_variables", "recast_variables"]
+__all__ = ["copy_model", "float32_statistics", "pair_layers", "pair_variables", "recast_variables"]
 
 _COPY_LOCK = threading.Lock()
 # Trainer state a copy must not share or duplicate: the copy is compiled anew.
@@ -266,7 +266,7 @@ def pair_variables(model: keras.Model, new: keras.Model) -> list:
     return pairs
 
 
-def recast_variables(model: keras.Model) -> int:
+def recast_variables(model: keras.Model, trainable_only: bool = False) -> int:
     """Gives every float variable its layer's variable dtype, in place.
 
     For a model whose layers' policies changed after their variables were made (a pure
@@ -276,6 +276,9 @@ def recast_variables(model: keras.Model) -> int:
 
     Args:
         model: A built model.
+        trainable_only: recast only trainable variables (`lean_bfloat16`: statistics such
+            as BatchNormalization's moving mean and variance stay float32, their slow
+            averages would stall in bfloat16).
 
     Returns:
         The number of variables recast.
@@ -286,8 +289,28 @@ def recast_variables(model: keras.Model) -> int:
         for variable in _own_variables(layer):
             if not keras.backend.is_float_dtype(variable.dtype) or variable.dtype == want:
                 continue
-            value = keras.ops.cast(np.asarray(keras.ops.convert_to_numpy(variable.value)), want)
-            variable._dtype = want
-            variable._initialize(variable._convert_to_tensor(value, dtype=want))
+            if trainable_only and not variable.trainable:
+                continue
+            _recast(variable, want)
             count += 1
     return count
+
+
+def float32_statistics(model: keras.Model) -> int:
+    """Re-creates the model's non-trainable low-precision float variables (normalization
+    statistics) in float32, in place, the `Variable` objects kept. Returns how many."""
+    count = 0
+    for layer in model._flatten_layers(include_self=True):
+        for variable in _own_variables(layer):
+            dtype = keras.backend.standardize_dtype(variable.dtype)
+            if variable.trainable or dtype not in ("float16", "bfloat16"):
+                continue
+            _recast(variable, "float32")
+            count += 1
+    return count
+
+
+def _recast(variable, want: str) -> None:
+    value = keras.ops.cast(np.asarray(keras.ops.convert_to_numpy(variable.value)), want)
+    variable._dtype = want
+    variable._initialize(variable._convert_to_tensor(value, dtype=want))

@@ -411,3 +411,35 @@ def test_non_finite_gradients_change_nothing_and_calibration_and_guard_work():
     reg.fit(x[:40], np.full((40, 3), np.nan, "float32"), batch_size=8, callbacks=[guard],
             verbose=0)
     assert reg.stop_training
+
+
+def _bn_cnn(dtype=None):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(16, 3, padding="same", dtype=dtype)(inputs)
+    h = keras.layers.BatchNormalization(dtype=dtype)(h)
+    h = keras.layers.GlobalAveragePooling2D(dtype=dtype)(keras.layers.ReLU(dtype=dtype)(h))
+    return keras.Model(inputs, keras.layers.Dense(3, dtype=dtype)(h))
+
+
+def test_normalization_statistics_stay_float32():
+    model = kmp.convert(_bn_cnn(), "lean_bfloat16")
+    bn = model.layers[2]
+    assert bn.gamma.dtype == "bfloat16"  # trainable: lean
+    assert bn.moving_mean.dtype == "float32" and bn.moving_variance.dtype == "float32"
+    x = np.random.default_rng(0).normal(3.0, 1.0, size=(64, 8, 8, 1)).astype("float32")
+    y = np.zeros((64,), "int32")
+    model.compile(optimizer="adam", loss=kmp.losses.SparseCategoricalCrossentropy(True))
+    model.fit(x, y, batch_size=16, epochs=8, verbose=0)
+    # 32 updates at momentum 0.99: the moving mean moved 1 - 0.99**32 = 27.5% of the way
+    # to the batch means; in bfloat16 each 1% step is rounded (ulp 2**-8 near 1..2)
+    mean = np_(bn.moving_mean.value)
+    assert np.all(np.abs(mean) > 0)
+
+    kmp.set_global_policy("lean_bfloat16")  # layers built under the policy: bf16 statistics
+    built = _bn_cnn()
+    assert built.layers[2].moving_mean.dtype == "bfloat16"
+    built.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    assert built.layers[2].moving_mean.dtype == "float32"  # compile made them float32
+    assert built.layers[2].gamma.dtype == "bfloat16"
+    built.fit(x, y, batch_size=16, epochs=1, verbose=0)
