@@ -283,6 +283,7 @@ def convert(
     ```
     """
     _check_model(model)
+    _warn_stock_scaler(model)  # here, once: the run check's conversions run with warnings off
     if check not in (None, *_runcheck.CHECKS):
         raise ValueError(
             f"convert: `check` must be one of {[*_runcheck.CHECKS, None]}. Received: {check!r}"
@@ -310,7 +311,6 @@ def convert(
 def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
     """A copy of `model` running under `the_plan`."""
     policy = the_plan.policy
-    _warn_stock_scaler(model)
     try:
         new, copied = copy_model(model)
     except ValueError as e:
