@@ -255,10 +255,12 @@ _SCORE_NAMES = ("query", "key", "q_proj", "k_proj", "q_dense", "k_dense")
 
 
 def overflowing(new: keras.Model, items: list, ranges: dict) -> list:
-    """`(address, input finite)` for the layers whose output is non-finite in `new` but
-    finite in the float32 model, the first to overflow (innermost, earliest) first; `input
-    finite`: it received finite values (it overflowed itself)."""
-    bad, seen = [], set()
+    """`(address, itself)` for the layers whose output in `new` is non-finite though finite
+    in the float32 model, or collapsed (its largest |value| off by more than 2x from float32's
+    while its input's is within 2x: a norm whose variance overflowed to inf gives zeros), the
+    first (innermost, earliest) first; `itself`: it received finite values (the failure is
+    its own math)."""
+    low: dict = {}  # address -> [largest |input|, largest |output|], in trace order
     for r in ranges.values():  # this conversion's, not an earlier round's
         r.low_output_max = None
     for x, _ in items:
@@ -266,11 +268,25 @@ def overflowing(new: keras.Model, items: list, ranges: dict) -> list:
             fp32 = ranges.get(rec.address)
             if fp32 is None or rec.layer.compute_dtype == "float32":
                 continue
-            r = fp32.low_output_max = max(fp32.low_output_max or 0.0, rec.output_max)
-            if math.isinf(r) and math.isfinite(fp32.output_max) and rec.address not in seen:
-                seen.add(rec.address)
-                bad.append((rec.address, math.isfinite(rec.input_max)))
+            seen = low.setdefault(rec.address, [0.0, 0.0])
+            seen[0], seen[1] = max(seen[0], rec.input_max), max(seen[1], rec.output_max)
+            fp32.low_output_max = seen[1]
+    bad = []
+    for address, (low_in, low_out) in low.items():
+        fp32 = ranges[address]
+        if math.isinf(low_out) and math.isfinite(fp32.output_max):
+            bad.append((address, math.isfinite(low_in)))
+        elif _collapsed(fp32.input_max, low_in) is False and _collapsed(
+                fp32.output_max, low_out):
+            bad.append((address, True))
     return bad
+
+
+def _collapsed(reference: float, value: float) -> bool | None:
+    """Whether `value` is off from `reference` by more than 2x (None: too small to say)."""
+    if not math.isfinite(reference) or reference < 1e-3 or not math.isfinite(value):
+        return None
+    return not 0.5 <= value / reference <= 2.0
 
 
 def _score_projections(layer) -> list:

@@ -190,10 +190,6 @@ def test_keras_hub_t5_backbone_calibrated_runs_finite_and_trains():
     assert attention.compute_dtype == "float32"
     assert attention.query_projector.compute_dtype == "float16"
     assert plan.calibration.fp32_flops <= 0.25  # measured 0.0%
-    # Without a batch, the run check's own batch shows the overflow and calibrates on it.
-    default = kmp.convert(backbone, "mixed_float16")
-    assert all(np.isfinite(_f32(v)).all() for v in default(x).values())
-    assert any("calibrated on it" in n for n in default.precision_plan.notes)
     for key, value in converted(x).items():
         got = _f32(value)
         assert np.isfinite(got).all()
@@ -204,3 +200,68 @@ def test_keras_hub_t5_backbone_calibrated_runs_finite_and_trains():
     losses = [converted.train_on_batch(x, targets, return_dict=True)["loss"] for _ in range(3)]
     assert np.all(np.isfinite(losses))
     assert int(keras.ops.convert_to_numpy(converted.optimizer.skipped_steps.value)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.tf_only
+def test_keras_hub_t5_backbone_default_conversion_calibrates_on_its_check_batch():
+    """Without a batch, the run check's own batch shows the NaN and convert calibrates."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.T5Backbone(
+        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        key_value_dim=8, dropout=0.0,
+    )
+    ids = RNG.integers(0, 64, (4, 8)).astype("int32")
+    x = {"encoder_token_ids": ids, "encoder_padding_mask": np.ones_like(ids),
+         "decoder_token_ids": ids[:, ::-1].copy(), "decoder_padding_mask": np.ones_like(ids)}
+    default = kmp.convert(backbone, "mixed_float16")
+    assert all(np.isfinite(_f32(v)).all() for v in default(x).values())
+    assert any("calibrated on it" in n for n in default.precision_plan.notes)
+    assert {p.class_name for p in default.precision_plan.pins} == {"T5MultiHeadAttention"}
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class InputDtypeRMSNorm(keras.layers.Layer):
+    """keras_hub's T5LayerNorm: the variance in the input dtype (x**2 overflows float16
+    for |x| > 256)."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, x):
+        variance = keras.ops.mean(keras.ops.square(x), axis=-1, keepdims=True)
+        return self.scale * x * keras.ops.rsqrt(variance + 1e-6)
+
+
+@keras.saving.register_keras_serializable(package="keras_mp_tests")
+class NormedBlock(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = InputDtypeRMSNorm(name="norm", dtype=self.dtype_policy)
+        self.ffn = keras.layers.Dense(16, name="ffn", dtype=self.dtype_policy)
+
+    def build(self, input_shape):
+        self.norm.build(input_shape)
+        self.ffn.build(input_shape)
+
+    def call(self, x):
+        return self.ffn(self.norm(x))
+
+
+@pytest.mark.tf_only  # JAX's CPU has no float16 dot
+def test_norm_with_statistics_in_the_input_dtype_is_pinned_alone_not_its_block():
+    inputs = keras.Input((8, 16))
+    h = keras.layers.Dense(16, name="embed")(inputs)
+    h = NormedBlock(name="block")(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+    x = (300 * RNG.normal(size=(4, 8, 16))).astype("float32")  # |x| ~ 300: x**2 > 65504
+    reference = _f32(model(x))
+    # The variance overflows to inf, x * rsqrt(inf) is 0: silent zeros, no inf to see.
+    assert np.abs(_f32(kmp.convert(model, "mixed_float16", check=None)(x))).max() == 0
+    converted = kmp.convert(model, "mixed_float16", calibrate=x)
+    plan = converted.precision_plan
+    assert [p.path for p in plan.pins] == ["block/norm"]  # not the whole block
+    assert converted.get_layer("block").ffn.compute_dtype == "float16"
+    assert plan.calibration.checked and plan.calibration.fp32_flops == 0.0
+    result = _f32(converted(x))
+    assert np.abs(result - reference).max() / np.abs(reference).max() < 1e-2
