@@ -247,11 +247,12 @@ def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable,
     with ignoring(UserWarning):  # warned once already (keeps Keras' show-once record)
         new_plan, new, check = repair(model, make_plan, convert, x, train=train, inputs=inputs,
                                       pinned=pinned)
-    if check.pinned:
+    if check.pinned or cal is not None:  # each pin's share of the FLOPs
         ranges = cal.ranges if cal is not None else calibration.measure(model, [(x, None)])
+        new_plan.pins = [_with_cost(p, ranges, new_plan.float32) for p in new_plan.pins]
+    if check.pinned:
         check.fp32_flops, check.check_flops = calibration.flop_shares(
             ranges, new_plan.float32, set(check.pinned))
-        new_plan.pins = [_with_cost(p, ranges, new_plan.float32) for p in new_plan.pins]
         if cal is not None:
             base = keep_list.plan(model, policy).float32
             cal.fp32_flops, cal.range_flops = calibration.flop_shares(
