@@ -219,10 +219,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     def _apply_weight_decay(self, variables):
         return  # decoupled decay is part of update_step, in float32
 
-    def update_step(self, gradient, variable, learning_rate):
+    def _inputs(self, gradient, variable, learning_rate) -> tuple:
+        """`(static, values, writes)` of one variable's update: what `lean_rule` is
+        specialised on, its inputs, and the variables its outputs are assigned to."""
         index = self._get_variable_index(variable)
         slot = self._slots[index]
-        comp = slot["compensation"]
         values = {
             "weight": _read(variable),
             "grad": gradient,
@@ -230,35 +231,56 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             "iterations": ops.cast(self.iterations, "int32"),
             "seed": ops.convert_to_tensor(index * 7919, "int32"),
         }
-        if comp is not None:
-            values["compensation"] = comp.value
+        writes = {"weight": variable}
+        if slot["compensation"] is not None:
+            values["compensation"] = slot["compensation"].value
+            writes["compensation"] = slot["compensation"]
         for name in ("m", "v"):
             if slot[name] is not None:
                 _, codes, scales = slot[name]
-                values[name] = codes.value
+                values[name], writes[name] = codes.value, codes
                 if scales is not None:
-                    values[name + "_scale"] = scales.value
-        decay = self.weight_decay is not None and self._use_weight_decay(variable)
-        if decay:
+                    values[name + "_scale"], writes[name + "_scale"] = scales.value, scales
+        if self.weight_decay is not None and self._use_weight_decay(variable):
             values["weight_decay"] = ops.cast(self.weight_decay, "float32")
-        rule = self._rule_for(
-            _Static(
-                shape=tuple(variable.shape),
-                weight_dtype=keras.backend.standardize_dtype(variable.dtype),
-                m=None if slot["m"] is None else slot["m"][0],
-                v=None if slot["v"] is None else slot["v"][0],
-            )
+        static = _Static(
+            shape=tuple(variable.shape),
+            weight_dtype=keras.backend.standardize_dtype(variable.dtype),
+            m=None if slot["m"] is None else slot["m"][0],
+            v=None if slot["v"] is None else slot["v"][0],
         )
-        new = rule(values)
-        self.assign(variable, new["weight"])
-        if comp is not None:
-            self.assign(comp, new["compensation"])
-        for name in ("m", "v"):
-            if slot[name] is not None:
-                _, codes, scales = slot[name]
-                self.assign(codes, new[name])
-                if scales is not None:
-                    self.assign(scales, new[name + "_scale"])
+        return static, values, writes
+
+    def _write(self, new: dict, writes: dict) -> None:
+        for name, target in writes.items():
+            self.assign(target, new[name])
+
+    def update_step(self, gradient, variable, learning_rate):
+        static, values, writes = self._inputs(gradient, variable, learning_rate)
+        self._write(self._rule_for(static)(values), writes)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        """On TensorFlow outside a distribution strategy, every variable's update runs in
+        one XLA computation (one launch a step, not one per variable); elsewhere Keras'
+        per-variable path (`update_step`)."""
+        if keras.backend.backend() != "tensorflow" or not grads:
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        import tensorflow as tf
+
+        if tf.distribute.has_strategy():
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        parts = [self._inputs(g, v, learning_rate) for g, v in zip(grads, trainable_variables)]
+        statics = tuple(p[0] for p in parts)
+        cache = self.__dict__.setdefault("_compiled_rules", {})
+        if statics not in cache:
+            hyper = self._hyper()
+
+            def rule_all(values):
+                return [lean_rule(st, hyper, v) for st, v in zip(statics, values)]
+
+            cache[statics] = tf.function(rule_all, jit_compile=True, autograph=False)
+        for new, (_, _, writes) in zip(cache[statics]([p[1] for p in parts]), parts):
+            self._write(new, writes)
 
     def _rule_for(self, static: _Static):
         """The pure update for variables like `static`; on TensorFlow compiled with XLA
