@@ -4,8 +4,9 @@
 
 1. `convert`: `kmp.convert(model, policy)` (its run check pins what cannot run in the
    compute dtype); where its outputs on the entry's batch are non-finite though float32's
-   are finite (overflow at initialisation, which a made-up batch need not show), again with
-   `calibrate=` that batch, as a user would (`"calibrated": True`); the original
+   are finite (overflow at initialisation, which a made-up batch need not show), or it
+   raises on that batch, again with `calibrate=` that batch (the run check then uses it),
+   as a user would (`"calibrated": True`); the original
    untouched; master weights bit-identical; the copy's layers in the compute dtype except
    the plan's pins. The pins, their reasons and FLOP shares go in `"pin_detail"`.
 2. `forward`: the converted model's outputs within `TOLERANCE[policy]` of the float32
@@ -181,7 +182,11 @@ def run(entry, policy: str, stages=STAGES, jit: bool | None = None) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             converted = kmp.convert(model, policy)
-            if not _finite(converted.predict_on_batch(x)) and _finite(reference):
+            try:
+                runs = _finite(converted.predict_on_batch(x))
+            except Exception:  # noqa: BLE001 - a path the check's made-up batch did not take
+                runs = False
+            if not runs and _finite(reference):  # check and calibrate on the entry's batch
                 converted = kmp.convert(model, policy, calibrate=x)
                 result["calibrated"] = True
         after = _weights(model)
