@@ -12,6 +12,7 @@ Float32 weights are updated exactly; only their moments are compressed.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import keras
@@ -23,6 +24,7 @@ from keras_mp import lean_codecs
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED", "lean_rule"]
 
 DEFAULT_ROUNDING = "kahan"
+_SMALL = 65536  # variables with fewer values share one compiled update on TensorFlow
 DEFAULT_MOMENTS = "int8"
 
 # Optimizer classes whose state LeanOptimizer knows how to keep (exact types: a subclass
@@ -260,8 +262,10 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         self._write(self._rule_for(static)(values), writes)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        """On TensorFlow outside a distribution strategy, every variable's update runs in
-        one XLA computation (one launch a step, not one per variable); elsewhere Keras'
+        """On TensorFlow outside a distribution strategy, the updates of the small variables
+        (biases, norm scales: under `_SMALL` values each) run together in one XLA
+        computation, each large one in its own (the per-launch cost matters for small
+        tensors; large ones run faster as separate computations); elsewhere Keras'
         per-variable path (`update_step`)."""
         if keras.backend.backend() != "tensorflow" or not grads:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
@@ -269,8 +273,15 @@ class LeanOptimizer(keras.optimizers.Optimizer):
 
         if tf.distribute.has_strategy():
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        parts = [self._inputs(g, v, learning_rate) for g, v in zip(grads, trainable_variables)]
-        statics = tuple(p[0] for p in parts)
+        small = []
+        for g, v in zip(grads, trainable_variables):
+            if math.prod(v.shape) >= _SMALL:
+                self.update_step(g, v, learning_rate)
+            else:
+                small.append(self._inputs(g, v, learning_rate))
+        if not small:
+            return
+        statics = tuple(p[0] for p in small)
         cache = self.__dict__.setdefault("_compiled_rules", {})
         if statics not in cache:
             hyper = self._hyper()
@@ -279,7 +290,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 return [lean_rule(st, hyper, v) for st, v in zip(statics, values)]
 
             cache[statics] = tf.function(rule_all, jit_compile=True, autograph=False)
-        for new, (_, _, writes) in zip(cache[statics]([p[1] for p in parts]), parts):
+        for new, (_, _, writes) in zip(cache[statics]([p[1] for p in small]), small):
             self._write(new, writes)
 
     def _rule_for(self, static: _Static):
