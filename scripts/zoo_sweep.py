@@ -33,9 +33,10 @@ _STORY = (
     "with the pins keras_mp added beyond its keep-list and their share of the matmul "
     "FLOPs) train under keras_mp: `kmp.convert`'s run check ([converting.md]"
     "(converting.md#layers-that-cannot-run-in-the-low-dtype-the-run-check)) pins the "
-    "layers that raise in float16 alone (ESM's and ESM-2's `ESMRotaryEmbedding`, RoFormer "
-    "V2's position embedding, D-FINE's encoder and anchor generator: a `range` built in "
-    "float16; Flux's timestep embedding), and, on TensorFlow, compiles one gradient step "
+    "layers that raise in float16 alone (ESM's `ESMRotaryEmbedding`, ESM-2 being the same "
+    "class, RoFormer V2's position embedding, D-FINE's encoder and anchor generator, SAM 3's "
+    "DETR decoder, Flux's timestep embedding: each builds a `range` in float16), and, on "
+    "TensorFlow, compiles one gradient step "
     "for models that resize bilinearly and pins the resizing layers whose XLA gradient "
     "fails in float16 and bfloat16 (DeepLabV3, SegFormer, BASNet); none of these pins has "
     "a matmul. Where float16 outputs are non-finite at random initialisation, calibration "
@@ -48,7 +49,10 @@ _STORY = (
     "the matmul FLOPs: all but the embedding and head). The convert stage calibrates on the "
     "entry's batch where plain conversion gives non-finite outputs (`calibrate=batch` in the "
     "note; T5's own check batch already shows it), as a user would. A failure left is "
-    "marked with what float32 or stock Keras does on the same model.",
+    "marked with what float32 or stock Keras does on the same model: SAM 3 converts and "
+    "runs forward with its DETR decoder's own math pinned, but its training step meets an op "
+    "XLA:CPU does not compile (`ResizeNearestNeighborGrad`), in float32 too; Moonshine's "
+    "reload is stock Keras' failure too (its config writes its dtype as float32).",
 )
 
 
