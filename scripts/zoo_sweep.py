@@ -38,7 +38,7 @@ _STORY = (
     "DETR decoder, Flux's timestep embedding: each builds a `range` in float16), and, on "
     "TensorFlow, compiles one gradient step "
     "for models that resize bilinearly and pins the resizing layers whose XLA gradient "
-    "fails in float16 and bfloat16 (DeepLabV3, SegFormer, BASNet); none of these pins has "
+    "fails in float16 and bfloat16 (DeepLabV3, SegFormer); none of these pins has "
     "a matmul. Where float16 outputs are non-finite at random initialisation, calibration "
     "pins the smallest part that the converted model, run again, confirms "
     "([calibration.md](calibration.md)): in the T5 family, each attention layer's own math "
@@ -52,7 +52,12 @@ _STORY = (
     "marked with what float32 or stock Keras does on the same model: SAM 3 converts and "
     "runs forward with its DETR decoder's own math pinned, but its training step meets an op "
     "XLA:CPU does not compile (`ResizeNearestNeighborGrad`), in float32 too; Moonshine's "
-    "reload is stock Keras' failure too (its config writes its dtype as float32).",
+    "reload is stock Keras' failure too (its config writes its dtype as float32). Left: "
+    "D-FINE under mixed_float16 converts, runs forward and trains, but its `.keras` reload "
+    "fails (its sublayers' paths differ between builds, so the saved map does not name the "
+    "reloaded sublayers of its pinned encoder); BASNet's rows are from the earlier sweep "
+    "(its rerun, several XLA compiles of a large graph, did not finish on this shared CPU): "
+    "its bilinear `UpSampling2D` layers are the kind DeepLabV3's and SegFormer's runs pin.",
 )
 
 
