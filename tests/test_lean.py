@@ -336,6 +336,7 @@ def test_keras_hub_gpt2_trains_lean():
     assert kmp.state_bytes(model).per_parameter <= 6.0
 
 
+@pytest.mark.slow
 @pytest.mark.tf_only
 def test_mirrored_strategy_matches_one_device():
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lean_distribute_worker.py")
@@ -395,7 +396,8 @@ def test_non_finite_gradients_change_nothing_and_calibration_and_guard_work():
             assert same, path  # the kernel, its compensation and moments kept
         assert np.isfinite(after[path]).all(), path
     second = model.layers[2].kernel.path
-    assert not np.array_equal(before[second], after[second])
+    if BACKEND == "tensorflow":  # TF's ReLU maps NaN to 0; JAX's keeps it, so the loss is NaN
+        assert not np.array_equal(before[second], after[second])
 
     reg = kmp.convert(_mlp(), "lean_bfloat16")
     reg.compile(optimizer="adamw", loss="mse")
