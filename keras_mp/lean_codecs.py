@@ -87,10 +87,15 @@ def random_bits(shape, seed) -> object:
     Returns:
         An int32 tensor of `shape`.
     """
+    return ops.reshape(ops.bitwise_and(_hash(shape, seed), 0xFFFF), shape)
+
+
+def _hash(shape, seed):
+    """32 hashed bits (int32) for each element of a flattened `shape`, from its index and
+    `seed`."""
     size = max(1, math.prod(shape))
     key = _mix(ops.cast(seed, "int32") + _as_int32(0x6A09E667))
-    h = _mix(ops.multiply(ops.arange(size, dtype="int32"), _as_int32(0x9E3779B1)) + key)
-    return ops.reshape(ops.bitwise_and(h, 0xFFFF), shape)
+    return _mix(ops.multiply(ops.arange(size, dtype="int32"), _as_int32(0x9E3779B1)) + key)
 
 
 def _mix(h):
@@ -117,9 +122,7 @@ def uniforms(shape, seed, count: int = 3) -> list:
     """
     if not 1 <= count <= 3:
         raise ValueError(f"uniforms: count must be 1, 2 or 3, got {count}.")
-    size = max(1, math.prod(shape))
-    key = _mix(ops.cast(seed, "int32") + _as_int32(0x6A09E667))
-    h = _mix(ops.multiply(ops.arange(size, dtype="int32"), _as_int32(0x9E3779B1)) + key)
+    h = _hash(shape, seed)
     out = []
     for i in range(count):
         field = ops.bitwise_and(_shr(h, 10 * i) if i else h, 0x3FF)
