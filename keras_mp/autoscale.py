@@ -72,17 +72,14 @@ def wants_keras_mp_scaler(model: keras.Model) -> bool:
 
 def _lean_policy_in_sight(model) -> bool:
     from keras_mp import policies
-    from keras_mp.lean import LeanOptimizer
 
     def lean(policy) -> bool:
         if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
             policy = policy.default_policy
         return isinstance(policy, policies.Policy) and policy.is_lean
 
-    # the model's own policy or its layers' map, or a recompile of a lean model
+    # the model's own policy or its layers' map
     if any(lean(x.dtype_policy) for x in model._flatten_layers(include_self=True)):
-        return True
-    if isinstance(getattr(model, "optimizer", None), LeanOptimizer):
         return True
     remembered = policies.remembered_policy()
     return remembered is not None and remembered.is_lean
