@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from keras_mp import keep_list
+from keras_mp._boundary import casts_to
 
 __all__ = [
     "LayerTrace",
@@ -178,17 +179,22 @@ def _with_main_output(outputs, main):
 def _hooked(model, make_hook, run):
     """Runs `run()` with every layer's `call` wrapped by `make_hook(layer, call)`."""
     layers, _ = keep_list.layer_tree(model)
-    wrapped = []
+    wrapped = []  # (layer, its own `call` attribute before: a boundary cast, or None)
     try:
         for layer in layers:
-            if isinstance(layer, keras.layers.InputLayer) or "call" in vars(layer):
+            own = vars(layer).get("call")
+            if isinstance(layer, keras.layers.InputLayer) or (
+                    own is not None and casts_to(layer) is None):
                 continue
             object.__setattr__(layer, "call", make_hook(layer, layer.call))
-            wrapped.append(layer)
+            wrapped.append((layer, own))
         return run()
     finally:
-        for layer in wrapped:
-            object.__delattr__(layer, "call")
+        for layer, own in wrapped:
+            if own is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", own)
 
 
 def activation_gradients(model: keras.Model, x, y, loss_fn) -> dict:

@@ -18,7 +18,12 @@ float32 (an internal tensor overflowed), the smallest pin that the check confirm
 the layer alone when it overflowed itself (a norm whose statistics run in the input dtype),
 else the layer whose own math fed it the non-finite tensor (an attention layer's mask,
 bias and scores), alone, its projections left in the low dtype; then that layer with its
-query and key projections; only then its whole block (`calibrated_plan`).
+query and key projections; only then its whole block (`calibrated_plan`). A layer pinned
+alone gets its low sublayers' outputs cast to float32 (`keras_mp._boundary`), so a block
+that adds them to its own float32 tensors with raw TensorFlow ops (T5Gemma, RWKV-7) runs.
+Once the converted model is finite, each growth round is undone in turn, the costliest
+first, where the model, run again, stays finite without it (a pin that a later, outer pin
+made moot).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from keras_mp import keep_list
+from keras_mp._confirm import overflowing, pruned
 from keras_mp._probe import activation_gradients, matmul_flops, trace, unpack
 from keras_mp._trial import forward_failure
 
@@ -254,41 +260,6 @@ _ROUNDS = 24  # checks of the converted model, each pinning at the first layer t
 _SCORE_NAMES = ("query", "key", "q_proj", "k_proj", "q_dense", "k_dense")
 
 
-def overflowing(new: keras.Model, items: list, ranges: dict) -> list:
-    """`(address, itself)` for the layers whose output in `new` is non-finite though finite
-    in the float32 model, or collapsed (its largest |value| off by more than 2x from float32's
-    while its input's is within 2x: a norm whose variance overflowed to inf gives zeros), the
-    first (innermost, earliest) first; `itself`: it received finite values (the failure is
-    its own math)."""
-    low: dict = {}  # address -> [largest |input|, largest |output|], in trace order
-    for r in ranges.values():  # this conversion's, not an earlier round's
-        r.low_output_max = None
-    for x, _ in items:
-        for rec in trace(new, x):
-            fp32 = ranges.get(rec.address)
-            if fp32 is None or rec.layer.compute_dtype == "float32":
-                continue
-            seen = low.setdefault(rec.address, [0.0, 0.0])
-            seen[0], seen[1] = max(seen[0], rec.input_max), max(seen[1], rec.output_max)
-            fp32.low_output_max = seen[1]
-    bad = []
-    for address, (low_in, low_out) in low.items():
-        fp32 = ranges[address]
-        if math.isinf(low_out) and math.isfinite(fp32.output_max):
-            bad.append((address, math.isfinite(low_in)))
-        elif _collapsed(fp32.input_max, low_in) is False and _collapsed(
-                fp32.output_max, low_out):
-            bad.append((address, True))
-    return bad
-
-
-def _collapsed(reference: float, value: float) -> bool | None:
-    """Whether `value` is off from `reference` by more than 2x (None: too small to say)."""
-    if not math.isfinite(reference) or reference < 1e-3 or not math.isfinite(value):
-        return None
-    return not 0.5 <= value / reference <= 2.0
-
-
 def _score_projections(layer) -> list:
     """An attention layer's query and key projections (by name), if it has them."""
     found = []
@@ -308,7 +279,8 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
     (0) the layer alone if it overflowed itself, else the layer that fed it the non-finite
     tensor (its parent), alone, with the other layers of its class (same code); (1) with
     its query and key projections (the attention scores); (2) its whole block, lifted as
-    the keep-list lifts.
+    the keep-list lifts. Then the rounds that the finite model no longer needs are undone
+    (`keras_mp._confirm.pruned`).
 
     Args:
         model: The float32 model.
@@ -361,6 +333,14 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
         else:
             pins[address] = reason
 
+    rounds: list = []  # per growth: the (tight, range) pins it added
+
+    def grown(step, *args):
+        tight, wide = dict(cal.tight), dict(pins)
+        step(*args)
+        rounds.append(({a: r for a, r in cal.tight.items() if a not in tight},
+                       {a: r for a, r in pins.items() if a not in wide}))
+
     the_plan, new, last = make_plan(), None, []
     if low == "float16":
         for _ in range(_ROUNDS):
@@ -372,8 +352,8 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
                 # the layer that raised grows (or, if low, runs its own math in float32).
                 failed = forward_failure(new, items[0][0]) if last else None
                 if failed is not None and failed.address in layer_at:
-                    grow(layer_at[failed.address], f"{failed.error[:100]} (after a "
-                         "calibration pin)")
+                    grown(grow, layer_at[failed.address], f"{failed.error[:100]} (after a "
+                          "calibration pin)")
                     the_plan, new = make_plan(), None
                     continue
                 the_plan.notes.append(f"converted model not checked here ({type(e).__name__})")
@@ -387,12 +367,15 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
             layer = layer_at.get(address)
             parent = parents.get(id(layer)) if layer is not None else None
             if layer is None:
-                pins[address] = _INTERNAL.format(dtype=low)
+                grown(pins.__setitem__, address, _INTERNAL.format(dtype=low))
             else:
                 last.append(layer if itself or parent is None or isinstance(
                     parent, keras.Model) else parent)
-                grow(last[-1])
+                grown(grow, last[-1])
             the_plan, new = make_plan(), None
+        if cal.checked and len(rounds) > 1:
+            the_plan, new = pruned(rounds, pins, cal.tight, make_plan, convert, items, ranges,
+                                   (the_plan, new))
     cal.tight = {a: r for a, r in cal.tight.items() if a in the_plan.float32}
     base = keep_list.plan(model, policy).float32
     cal.fp32_flops, cal.range_flops = flop_shares(

@@ -22,6 +22,7 @@ from keras.src.utils.tracking import DotNotTrackScope
 
 from keras_mp import _runcheck, keep_list
 from keras_mp import calibrate as calibration
+from keras_mp._boundary import cast_at_boundaries
 from keras_mp.model_copy import copy_model, pair_layers, recast_variables
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
 
@@ -119,7 +120,9 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     only the model's dtype, or in a subclassed model) gets `pmap`, resolved by its path:
     where a key misses, an exact one is added; so does such a model itself. Layers without a
     path, which Keras does not resolve through a map, get their policy directly. Then the
-    plan's swaps, and keras_mp's layer norm and GELU kernels (same state, config and math).
+    plan's swaps, keras_mp's layer norm and GELU kernels (same state, config and math), and
+    the casts of low sublayers' outputs to float32 inside a layer pinned alone
+    (`keras_mp._boundary`).
     """
     policy = the_plan.policy
     float32, base = keras.DTypePolicy("float32"), keras.DTypePolicy(policy.base.name)
@@ -143,6 +146,7 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
             pmap[re.escape(layer.path)] = want
     if policy.is_low_precision:
         _swap_layers(layers, where, the_plan, policy)
+    cast_at_boundaries(layers, parents)
 
 
 def _track_after_dropout(attention, softmax) -> None:

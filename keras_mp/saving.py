@@ -172,9 +172,20 @@ def reapply_plan(model: keras.Model) -> bool:
         and (isinstance(x.dtype_policy, keras.dtype_policies.DTypePolicyMap)
              or saved_by_a_graph(x, parents, model))
     ]
+    # A pin of a layer's own math only (the run check's, calibration's tight pins) saved
+    # its sublayers' low policies: it stays alone, so that sublayers without a path yet
+    # (built by their first call, as keras_hub's RWKV-7 `TimeShift`) keep the low dtype.
+    alone = [(x, r) for x, r in saved if _pinned_alone(x)]
+    keep = [(x, r) for x, r in saved if not _pinned_alone(x)]
     pmap = maps[0]
-    apply_plan(model, keep_list.plan(model, pmap.default_policy, keep=saved), pmap)
+    apply_plan(model, keep_list.plan(model, pmap.default_policy, keep=keep, exact=alone), pmap)
     return True
+
+
+def _pinned_alone(layer: keras.layers.Layer) -> bool:
+    """Whether a loaded float32 layer has a sublayer with a path in a low dtype."""
+    inner = [x for x in layer._flatten_layers(include_self=False) if x.path]
+    return any(x.compute_dtype != "float32" for x in inner)
 
 
 def _state_variables(model: keras.Model) -> list:

@@ -29,6 +29,18 @@ def _enc_dec():
     return overflow.t5_encoder_decoder(ENC, DEC, vocab=64)
 
 
+def _hub_seq2seq(name: str, **kwargs) -> tuple:
+    """A tiny keras_hub encoder-decoder backbone (vocabulary 64, seeded) and a batch of 4
+    sequences of 8 tokens, no padding."""
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    backbone = getattr(keras_hub.models, name)(vocabulary_size=64, **kwargs)
+    ids = np.random.default_rng(0).integers(0, 64, (4, 8)).astype("int32")
+    x = {"encoder_token_ids": ids, "encoder_padding_mask": np.ones_like(ids),
+         "decoder_token_ids": ids[:, ::-1].copy(), "decoder_padding_mask": np.ones_like(ids)}
+    return backbone, x
+
+
 @pytest.mark.tf_only  # JAX's CPU has no float16 dot
 def test_t5_style_model_plain_conversion_overflows_calibrated_one_is_close():
     model = _enc_dec()
@@ -166,15 +178,8 @@ def test_gradient_range_is_measured_with_a_loss():
 def test_keras_hub_t5_backbone_calibrated_runs_finite_and_trains():
     """keras_hub's own T5 at a tiny size overflows float16 at random initialisation (stock
     Keras gives inf too); calibration finds where, the converted model is finite and trains."""
-    keras_hub = pytest.importorskip("keras_hub")
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.T5Backbone(
-        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
-        key_value_dim=8, dropout=0.0,
-    )
-    ids = RNG.integers(0, 64, (4, 8)).astype("int32")
-    x = {"encoder_token_ids": ids, "encoder_padding_mask": np.ones_like(ids),
-         "decoder_token_ids": ids[:, ::-1].copy(), "decoder_padding_mask": np.ones_like(ids)}
+    backbone, x = _hub_seq2seq("T5Backbone", num_layers=2, num_heads=2, hidden_dim=16,
+                               intermediate_dim=32, key_value_dim=8, dropout=0.0)
     reference = {k: _f32(v) for k, v in backbone(x).items()}
     plain = kmp.convert(backbone, "mixed_float16", check=None)
     assert not all(np.isfinite(_f32(v)).all() for v in plain(x).values())
@@ -202,18 +207,54 @@ def test_keras_hub_t5_backbone_calibrated_runs_finite_and_trains():
     assert int(keras.ops.convert_to_numpy(converted.optimizer.skipped_steps.value)) == 0
 
 
+@pytest.mark.tf_only
+def test_keras_hub_t5gemma_pins_its_blocks_own_math_and_casts_their_sublayers_outputs(
+        tmp_path):
+    """T5Gemma's blocks make their attention masks as `(1 - mask) * -1e9` in the input
+    dtype (NaN in float16) and add their sublayers' outputs with raw TensorFlow ops: the
+    blocks' own math is pinned, their projections stay float16 and hand the block float32
+    (issue 28: whole blocks were pinned, 100% of the matmul FLOPs in float32)."""
+    half = dict(hidden_dim=16, intermediate_dim=32, num_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8,
+                layer_types=["sliding_attention", "full_attention"])
+    backbone, x = _hub_seq2seq(
+        "T5GemmaBackbone", **{f"{side}_{k}": v for side in ("encoder", "decoder")
+                              for k, v in half.items()},
+        sliding_window=4, cross_attention_hidden_size=16, attn_logit_softcapping=50.0)
+    reference = {k: _f32(v) for k, v in backbone(x).items()}
+    converted = kmp.convert(backbone, "mixed_float16", calibrate=x)
+    plan = converted.precision_plan
+    assert plan.calibration.checked
+    pinned = {p.class_name for p in plan.pins if not p.reason.startswith("keep_fp32")}
+    assert pinned == {"T5GemmaEncoderLayer", "T5GemmaDecoderLayer"}
+    block = converted.get_layer("encoder_layer_0")
+    assert block.compute_dtype == "float32"
+    assert block.mlp.gate_proj.compute_dtype == "float16"
+    assert block.self_attn.query_dense.compute_dtype == "float16"
+    assert plan.calibration.fp32_flops <= 0.25  # measured 0.0%
+    outputs = {k: _f32(v) for k, v in converted(x).items()}
+    for key, got in outputs.items():  # measured: 1.1e-3 (encoder and decoder)
+        assert np.abs(got - reference[key]).max() / np.abs(reference[key]).max() < 1e-2
+    # Loaded (its sublayers renamed by Keras' counter), the pins and the casts come back.
+    converted.save(tmp_path / "t5gemma.keras")
+    loaded = kmp.saving.load_model(tmp_path / "t5gemma.keras", compile=False)
+    assert loaded.get_layer("encoder_layer_0").compute_dtype == "float32"
+    assert loaded.get_layer("encoder_layer_0").mlp.gate_proj.compute_dtype == "float16"
+    for key, value in loaded(x).items():
+        assert np.array_equal(_f32(value), outputs[key])
+    converted.compile(optimizer=kmp.LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
+                      loss="mse", jit_compile=True)
+    targets = {k: np.zeros_like(v) for k, v in reference.items()}
+    losses = [converted.train_on_batch(x, targets, return_dict=True)["loss"] for _ in range(3)]
+    assert np.all(np.isfinite(losses))
+
+
 @pytest.mark.slow
 @pytest.mark.tf_only
 def test_keras_hub_t5_backbone_default_conversion_calibrates_on_its_check_batch():
     """Without a batch, the run check's own batch shows the NaN and convert calibrates."""
-    keras_hub = pytest.importorskip("keras_hub")
-    backbone = keras_hub.models.T5Backbone(
-        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
-        key_value_dim=8, dropout=0.0,
-    )
-    ids = RNG.integers(0, 64, (4, 8)).astype("int32")
-    x = {"encoder_token_ids": ids, "encoder_padding_mask": np.ones_like(ids),
-         "decoder_token_ids": ids[:, ::-1].copy(), "decoder_padding_mask": np.ones_like(ids)}
+    backbone, x = _hub_seq2seq("T5Backbone", num_layers=2, num_heads=2, hidden_dim=16,
+                               intermediate_dim=32, key_value_dim=8, dropout=0.0)
     default = kmp.convert(backbone, "mixed_float16")
     assert all(np.isfinite(_f32(v)).all() for v in default(x).values())
     assert any("calibrated on it" in n for n in default.precision_plan.notes)

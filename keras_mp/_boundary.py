@@ -1,0 +1,87 @@
+"""Casts at a pinned block's boundary: its low-precision sublayers hand it float32.
+
+A pin of a layer's own math only (`keep_list.ALONE`: the run check's pins, calibration's
+tight pins) runs the block's Python `call` in float32 while its sublayers keep the compute
+dtype. The block's own ops then meet a float16 sublayer output beside a float32 tensor of
+its own: TensorFlow's raw ops (`x + sublayer(x)`, written with Python operators) refuse
+the pair, and `keras.ops` would promote it. So each such sublayer's floating outputs are
+cast to its block's compute dtype as they leave it; the sublayer's math, its matmuls
+included, stays in the low dtype (T5Gemma's blocks make their attention masks as
+`(1 - mask) * -1e9` in the input dtype, NaN in float16: the block's own math is pinned,
+its projections are not).
+
+The cast is decided from the layers' resolved dtypes alone (a low layer inside a
+float32 block that is not a model), so a loaded model gets it back from its saved policy
+map (`kmp.saving.load_model`). It is an instance attribute `call`, a method bound to the
+layer (a copy of the model rebinds it to its own layer), set by `convert.apply_plan`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import keras
+from keras.src.backend import get_keras_mask, set_keras_mask
+
+__all__ = ["cast_at_boundaries", "casts_to"]
+
+_ATTR = "_keras_mp_output_dtype"
+
+
+def casts_to(layer: keras.layers.Layer) -> str | None:
+    """The dtype `layer`'s outputs are cast to at its block's boundary, or None."""
+    call = vars(layer).get("call")
+    if getattr(call, "__func__", None) is _cast_call:
+        return vars(layer).get(_ATTR)
+    return None
+
+
+def _cast(t, dtype: str):
+    source = getattr(t, "dtype", None)
+    if source is None or not keras.backend.is_float_dtype(
+        keras.backend.standardize_dtype(source)
+    ):
+        return t
+    if keras.backend.standardize_dtype(source) == dtype:
+        return t
+    mask = get_keras_mask(t)
+    out = keras.ops.cast(t, dtype)
+    if mask is not None:
+        set_keras_mask(out, mask)
+    return out
+
+
+def _cast_call(self, *args, **kwargs):
+    outputs = type(self).call(self, *args, **kwargs)
+    dtype = vars(self)[_ATTR]
+    return keras.tree.map_structure(lambda t: _cast(t, dtype), outputs)
+
+
+def cast_at_boundaries(layers: list, parents: dict) -> int:
+    """Sets (or removes) the boundary casts of `layers` from their current dtypes.
+
+    Args:
+        layers: The layers of a model (`keep_list.layer_tree(model)[0]`).
+        parents: `id(layer) -> parent layer`, from the same call.
+
+    Returns:
+        How many layers cast their outputs.
+    """
+    count = 0
+    for layer in layers:
+        if casts_to(layer) is not None:
+            object.__delattr__(layer, "call")
+            object.__delattr__(layer, _ATTR)
+        parent = parents.get(id(layer))
+        if parent is None or isinstance(parent, keras.Model):
+            continue  # a graph node: Keras casts a layer's inputs itself
+        if isinstance(layer, keras.layers.InputLayer) or "call" in vars(layer):
+            continue
+        if parent.compute_dtype != "float32" or layer.compute_dtype == "float32":
+            continue
+        if not keras.backend.is_float_dtype(layer.compute_dtype):
+            continue
+        object.__setattr__(layer, _ATTR, "float32")
+        object.__setattr__(layer, "call", types.MethodType(_cast_call, layer))
+        count += 1
+    return count
