@@ -8,12 +8,15 @@ the pair, and `keras.ops` would promote it. So each such sublayer's floating out
 cast to its block's compute dtype as they leave it; the sublayer's math, its matmuls
 included, stays in the low dtype (T5Gemma's blocks make their attention masks as
 `(1 - mask) * -1e9` in the input dtype, NaN in float16: the block's own math is pinned,
-its projections are not).
+its projections are not). What the block computes from those outputs is float32 too (an
+attention layer pinned alone multiplies float32 queries and keys).
 
 The cast is decided from the layers' resolved dtypes alone (a low layer inside a
 float32 block that is not a model), so a loaded model gets it back from its saved policy
 map (`kmp.saving.load_model`). It is an instance attribute `call`, a method bound to the
 layer (a copy of the model rebinds it to its own layer), set by `convert.apply_plan`.
+A block that is a node of a Functional graph saves only its own dtype: loaded, its
+sublayers are made in float32 with it, and nothing is cast.
 """
 
 from __future__ import annotations
