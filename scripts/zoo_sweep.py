@@ -61,9 +61,10 @@ _STORY = (
     "layer's own math alone where its saved map holds its sublayers' low policies, so "
     "sublayers that get their path only at their first call stay low. D-FINE's outputs "
     "differ from float32's by 1.2 (mixed_float16) and 1.6 (mixed_bfloat16, no pins, as "
-    "stock Keras' own) of their largest value at random initialisation, and its three "
-    "float16 steps leave the loss at 23.25 (as in the earlier sweep): its forward stage "
-    "passes by the stock-Keras clause, not by closeness. BASNet's mixed_float16 audit took "
+    "stock Keras' own) of their largest value at random initialisation (its forward stage "
+    "passes by the stock-Keras clause, not by closeness); its three float16 steps leave the "
+    "loss at 23.25 because the scaler skips them while it backs off from 2^15 to 2^12, after "
+    "which it trains (23.25 to 17.5 in 20 steps, run apart). BASNet's mixed_float16 audit took "
     "27 minutes on this CPU (eager float16 convolution gradients run oneDNN's reference "
     "kernel).",
 )
