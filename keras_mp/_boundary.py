@@ -41,11 +41,10 @@ def casts_to(layer: keras.layers.Layer) -> str | None:
 
 def _cast(t, dtype: str):
     source = getattr(t, "dtype", None)
-    if source is None or not keras.backend.is_float_dtype(
-        keras.backend.standardize_dtype(source)
-    ):
+    if source is None:
         return t
-    if keras.backend.standardize_dtype(source) == dtype:
+    source = keras.backend.standardize_dtype(source)
+    if source == dtype or not keras.backend.is_float_dtype(source):
         return t
     mask = get_keras_mask(t)
     out = keras.ops.cast(t, dtype)

@@ -175,8 +175,9 @@ def reapply_plan(model: keras.Model) -> bool:
     # A pin of a layer's own math only (the run check's, calibration's tight pins) saved
     # its sublayers' low policies: it stays alone, so that sublayers without a path yet
     # (built by their first call, as keras_hub's RWKV-7 `TimeShift`) keep the low dtype.
-    alone = [(x, r) for x, r in saved if _pinned_alone(x)]
-    keep = [(x, r) for x, r in saved if not _pinned_alone(x)]
+    alone, keep = [], []
+    for pin in saved:
+        (alone if _pinned_alone(pin[0]) else keep).append(pin)
     pmap = maps[0]
     apply_plan(model, keep_list.plan(model, pmap.default_policy, keep=keep, exact=alone), pmap)
     return True
