@@ -235,14 +235,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         }
         writes = {"weight": variable}
         if slot["compensation"] is not None:
-            values["compensation"] = slot["compensation"].value
+            values["compensation"] = _read(slot["compensation"])
             writes["compensation"] = slot["compensation"]
         for name in ("m", "v"):
             if slot[name] is not None:
                 _, codes, scales = slot[name]
-                values[name], writes[name] = codes.value, codes
+                values[name], writes[name] = _read(codes), codes
                 if scales is not None:
-                    values[name + "_scale"], writes[name + "_scale"] = scales.value, scales
+                    values[name + "_scale"], writes[name + "_scale"] = _read(scales), scales
         if self.weight_decay is not None and self._use_weight_decay(variable):
             values["weight_decay"] = ops.cast(self.weight_decay, "float32")
         static = _Static(
@@ -435,7 +435,7 @@ def lean_rule(static: _Static, hyper: _Hyper, values: dict) -> dict:
         `v`, `v_scale`; all as given when the gradient has an inf or NaN.
     """
     shape = static.shape
-    g = ops.cast(values["grad"], "float32")
+    g = ops.reshape(ops.cast(values["grad"], "float32"), shape)
     lr = values["lr"]
     comp = values.get("compensation")
     w = lean_codecs.decode_weight(values["weight"], comp, hyper.rounding)
@@ -493,10 +493,20 @@ def lean_rule(static: _Static, hyper: _Hyper, values: dict) -> dict:
 
 
 def _read(variable):
-    """A variable's value: a Keras variable's (mapped in a stateless scope) or a backend
-    variable's, as TensorFlow's distributed update passes it."""
+    """A variable's value as a tensor: a Keras variable's (mapped in a stateless scope) or
+    a backend variable's, as TensorFlow's distributed update passes it.
+
+    Always a tensor, never the variable itself: under a `tf.distribute` strategy a Keras
+    variable's `.value` is a `MirroredVariable`, and a compiled `tf.function` called with
+    one captures it by its shape and dtype, so every later variable of the same shape and
+    dtype would be read from the first one's storage. Read here, inside the strategy's
+    update context, it is this replica's copy."""
     if isinstance(variable, keras.Variable):
-        return variable.value
+        variable = variable.value
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(variable)  # a read; Keras' passes variables through
     return ops.convert_to_tensor(variable)
 
 

@@ -336,6 +336,41 @@ def test_keras_hub_gpt2_trains_lean():
     assert kmp.state_bytes(model).per_parameter <= 6.0
 
 
+@pytest.mark.tf_only
+def test_mirrored_strategy_keeps_each_variables_own_state():
+    """Under a tf.distribute strategy every variable is updated from its own compensation
+    and moments. A transformer has many variables of one shape and dtype (its norms'
+    gamma and beta, the attention biases): one replica must give one device's bits."""
+    import tensorflow as tf
+
+    keras_hub = pytest.importorskip("keras_hub")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, size=(16, 8)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    y = rng.normal(size=(16, 8, 32)).astype("float32")
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            backbone = keras_hub.models.GPT2Backbone(
+                vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=32,
+                intermediate_dim=64, max_sequence_length=8,
+            )
+            model = kmp.convert(backbone, "lean_bfloat16")
+            model.compile(optimizer=keras.optimizers.AdamW(1e-2), loss="mse")
+        w0 = [np_(v.value) for v in model.trainable_variables]
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        return [np_(w) for w in model.optimizer.weights_float32()], w0
+
+    single, w0 = train(tf.distribute.get_strategy())
+    mirrored, _ = train(tf.distribute.MirroredStrategy(["/cpu:0"]))
+    shapes = [w.shape for w in w0]
+    assert len(shapes) - len(set(shapes)) >= 10  # many variables share a shape
+    for a, b, start in zip(mirrored, single, w0):
+        assert np.abs(b - start).max() > 0  # every variable trained
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.slow
 @pytest.mark.tf_only
 def test_mirrored_strategy_matches_one_device():
