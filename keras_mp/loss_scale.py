@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import warnings
 from typing import Any, NamedTuple
 
 import keras
@@ -221,6 +223,35 @@ def _per_variable_finite(grads) -> Any:
     return ops.stack(flags)
 
 
+# Which optimizers had `scale_loss` called since their last `apply`, per thread (a
+# MirroredStrategy traces each replica's step in its own thread). Set and read while the
+# step is traced (or run eagerly), so the compiled step knows it as a constant.
+_SCALED = threading.local()
+
+
+def _mark_scaled(optimizer) -> None:
+    if not hasattr(_SCALED, "ids"):
+        _SCALED.ids = set()
+    _SCALED.ids.add(id(optimizer))
+
+
+def _take_scaled(optimizer) -> bool:
+    ids = getattr(_SCALED, "ids", set())
+    scaled = id(optimizer) in ids
+    ids.discard(id(optimizer))
+    return scaled
+
+
+_NOT_SCALED_MESSAGE = (
+    "LossScaleOptimizer {name!r}: gradients were applied but the loss was never scaled "
+    "(`optimizer.scale_loss(loss)` was not called since the last step), as in a custom "
+    "train_step or training loop written for float32. They are applied as they are, not "
+    "divided by the scale; non-finite steps are still skipped. Float16 gradients below "
+    "6e-8 underflow to zero unscaled: scale the loss inside the tape, "
+    "`loss = self.optimizer.scale_loss(loss)`, before `tape.gradient` "
+    "(see docs/custom-training.md)."
+)
+
 _STATE_VARIABLES = {
     # LossScaleState field -> optimizer variable attribute
     "scale": "dynamic_scale",
@@ -335,6 +366,35 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The current loss scale (a float32 variable)."""
         return self.dynamic_scale
 
+    def scale_loss(self, loss):
+        """Multiplies `loss` by the current scale, and marks this step's gradients scaled.
+
+        `apply` and `stateless_apply` divide the gradients by the scale only when this was
+        called since the previous step (in the same trace of a compiled step); gradients of
+        a loss that was never scaled are applied as they are, with a warning the first time.
+
+        Args:
+            loss: the loss (a scalar tensor).
+
+        Returns:
+            `loss * scale`.
+        """
+        _mark_scaled(self)
+        return super().scale_loss(loss)
+
+    def _scaled_this_step(self) -> bool:
+        scaled = _take_scaled(self)
+        if not scaled and not getattr(self, "_warned_not_scaled", False):
+            self._warned_not_scaled = True
+            warnings.warn(_NOT_SCALED_MESSAGE.format(name=self.name), UserWarning, stacklevel=4)
+        return scaled
+
+    def _config_for(self, scaled: bool) -> LossScaleConfig:
+        """An unscaled step leaves the scale where it is (it has not reached the loss)."""
+        if scaled:
+            return self.loss_scale_config
+        return dataclasses.replace(self.loss_scale_config, dynamic=False)
+
     # -- state ---------------------------------------------------------------------
 
     @keras.src.utils.tracking.no_automatic_dependency_tracking
@@ -377,7 +437,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _step_index(self):
         return ops.cast(self.iterations, "int32") + ops.cast(self.skipped_steps, "int32")
 
-    def _unscale(self, grads, trainable_variables, scale):
+    def _unscale(self, grads, trainable_variables, scale, scaled=True):
+        if not scaled:
+            return list(grads)
         out = []
         for g, v in zip(grads, trainable_variables):
             if g is None or self._overwrite_variable_with_gradient(v):
@@ -399,6 +461,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         n_own = len(self._variables)
         own_values = list(optimizer_variables[:n_own])
         inner_values = list(optimizer_variables[n_own:])
+        scaled = self._scaled_this_step()
         per_var = _per_variable_finite(grads)
         finite = ops.all(per_var)
         mapping = list(zip(self._variables, own_values)) + list(
@@ -407,7 +470,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         with keras.StatelessScope(state_mapping=mapping) as scope:
             state = self._read_state()
             step = self._step_index()
-            unscaled = self._unscale(grads, self._trainable_variables, state.scale)
+            unscaled = self._unscale(grads, self._trainable_variables, state.scale, scaled)
             applied_trainable, applied_inner = self.inner_optimizer.stateless_apply(
                 inner_values, unscaled, trainable_variables
             )
@@ -420,25 +483,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
             new_trainable = keep_if_skipped(applied_trainable, trainable_variables)
             new_inner = keep_if_skipped(applied_inner, inner_values)
-            self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
+            self._write_state(update_loss_scale(state, per_var, step, self._config_for(scaled)))
             new_own = [scope.get_current_value(v) for v in self._variables]
         return list(new_trainable), new_own + list(new_inner)
 
     # -- stateful path (TensorFlow, PyTorch) -----------------------------------------
 
-    def _apply_and_update(self, grads, trainable_variables, per_var):
+    def _apply_and_update(self, grads, trainable_variables, per_var, scaled):
         """Skip-or-apply, then the rule; `per_var` is already decided across replicas."""
         finite = ops.all(per_var)
         tvs = trainable_variables or self._trainable_variables
         state = self._read_state()
         step = self._step_index()
-        unscaled = self._unscale(grads, tvs, state.scale)
+        unscaled = self._unscale(grads, tvs, state.scale, scaled)
 
         def apply_fn():
             self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
 
         ops.cond(finite, apply_fn, lambda: None)
-        self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
+        self._write_state(update_loss_scale(state, per_var, step, self._config_for(scaled)))
 
     def apply(self, grads, trainable_variables=None):
         """Applies one (possibly skipped) step to the variables.
@@ -464,7 +527,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ref.assign(value)
 
     def _common_apply(self, grads, trainable_variables=None):
-        self._apply_and_update(grads, trainable_variables, _per_variable_finite(grads))
+        scaled = self._scaled_this_step()
+        self._apply_and_update(grads, trainable_variables, _per_variable_finite(grads), scaled)
 
     def _tf_apply(self, grads, trainable_variables=None):
         """TensorFlow: under a strategy, all replicas decide on the same all-reduced flags."""
@@ -475,6 +539,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
         check_jit_compile()
+        scaled = self._scaled_this_step()
         # `grads` are this replica's own (the inner optimizer all-reduces them later), so
         # agree on the flags first: every replica then skips or applies together.
         ctx = tf.distribute.get_replica_context()
@@ -483,7 +548,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             bad = ctx.all_reduce("sum", ops.cast(ops.logical_not(per_var), "float32"))
             per_var = ops.equal(bad, 0.0)
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._apply_and_update(grads, trainable_variables, per_var)
+            self._apply_and_update(grads, trainable_variables, per_var, scaled)
             return
 
         def cross_replica(distribution, grads, trainable_variables, per_var):
@@ -495,7 +560,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             def apply_fn():
                 def replica_apply(grads, tvs):
                     scale = self.dynamic_scale.value
-                    unscaled = self._unscale(grads, tvs or self._trainable_variables, scale)
+                    unscaled = self._unscale(
+                        grads, tvs or self._trainable_variables, scale, scaled)
                     self.inner_optimizer.apply(unscaled, trainable_variables=tvs)
 
                 distribution.extended.call_for_each_replica(
@@ -503,7 +569,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 )
 
             ops.cond(finite, apply_fn, lambda: None)
-            self._write_state(update_loss_scale(state, per_var, step, self.loss_scale_config))
+            self._write_state(update_loss_scale(state, per_var, step, self._config_for(scaled)))
 
         ctx.merge_call(cross_replica, args=(grads, trainable_variables, per_var))
 

@@ -112,7 +112,9 @@ def test_rule_matches_reference_on_thousands_of_sequences(cfg, seed, p_bad):
 
 
 def _stateful_or_stateless(opt, variables, grads):
-    """One optimizer step the way each backend's trainer takes it."""
+    """One optimizer step the way each backend's trainer takes it: `grads` are those of a
+    loss scaled by `opt.scale_loss` (the trainers call it; here it only marks the step)."""
+    opt.scale_loss(1.0)
     if BACKEND == "jax":  # jitted, as the JAX trainer runs it
         import jax
 
@@ -263,6 +265,7 @@ def test_keras_finite_step_and_apply_without_vars():
     if BACKEND == "jax":
         _stateful_or_stateless(opt, v, grads)
     else:
+        opt.scale_loss(1.0)
         opt.apply(grads)  # trainable_variables taken from build()
     np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [0.5, -1.0, -0.5, 3.0], atol=1e-4)
 
@@ -410,12 +413,40 @@ def test_apply_in_a_custom_loop_on_every_backend():
     """`apply` works eagerly on JAX too (it routes through `stateless_apply`)."""
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=4.0)
     v = [keras.Variable(np.ones((2,), "float32"))]
+    opt.scale_loss(1.0)
     opt.apply([ops.ones((2,)) * 4.0], v)  # builds on first use
     np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [0.5, 0.5])
+    opt.scale_loss(1.0)
     opt.apply([ops.array([np.nan, 1.0])], v)
     np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [0.5, 0.5])
     assert float(opt.loss_scale) == 2.0 and int(opt.iterations) == 1
     assert int(opt.skipped_steps) == 1 and int(opt.last_overflow_step) == 1
+
+
+def test_gradients_of_an_unscaled_loss_are_not_divided():
+    """A step whose loss never went through `scale_loss` (a custom train_step written for
+    float32) applies its gradients as they are, keeps the scale, still skips non-finite
+    steps, and warns once saying how to scale; one that did is divided. Compiled, the trace
+    decides: on TensorFlow inside `tf.function`, on JAX inside `jax.jit`."""
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=4.0)
+    v = [keras.Variable(np.ones((2,), "float32"))]
+    opt.build(v)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(lambda g: opt.apply([g], v))
+    else:
+        step = lambda g: opt.apply([g], v)  # noqa: E731  (JAX: routes through stateless_apply)
+    with pytest.warns(UserWarning, match=r"never scaled.*scale_loss\(loss\)") as caught:
+        step(ops.ones((2,)))
+        step(ops.array([np.nan, 1.0]))
+        step(ops.ones((2,)))
+    assert len([w for w in caught if "never scaled" in str(w.message)]) == 1
+    np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [0.0, 0.0])  # 1 - 2 * 0.5
+    assert float(opt.loss_scale) == 4.0 and int(opt.skipped_steps) == 1
+    opt.scale_loss(1.0)
+    opt.apply([ops.ones((2,)) * 4.0], v)  # eager, marked: divided by the scale
+    np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [-0.5, -0.5])
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="the JAX train step as XLA compiles it")
