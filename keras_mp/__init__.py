@@ -14,6 +14,8 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 ```
 """
 
+import keras as _keras
+
 # `audit` is the function: it is bound after the module of the same name is imported.
 from keras_mp import (
     activations,
@@ -27,6 +29,7 @@ from keras_mp import (
     layers,
     lean,
     losses,
+    optimizer_guard,
     saving,
 )
 from keras_mp.audit import AuditReport, audit
@@ -46,6 +49,11 @@ from keras_mp.tf.export import export_saved_model  # imports tensorflow only whe
 __version__ = "0.1.0"
 
 autoscale.install()  # compile() under a keras_mp policy gets kmp.LossScaleOptimizer
+optimizer_guard.install()  # a plain optimizer on lean or float16 weights warns once
+if _keras.backend.backend() == "tensorflow":  # bfloat16/uint8 variables under multi-worker
+    from keras_mp.tf.distribute import widen_collective_broadcasts
+
+    widen_collective_broadcasts()
 
 __all__ = [
     "LeanOptimizer",

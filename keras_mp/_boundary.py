@@ -17,6 +17,13 @@ map (`kmp.saving.load_model`). It is an instance attribute `call`, a method boun
 layer (a copy of the model rebinds it to its own layer), set by `convert.apply_plan`.
 A block that is a node of a Functional graph saves only its own dtype: loaded, its
 sublayers are made in float32 with it, and nothing is cast.
+
+The same cast hands a converted model's callers float32 (`cast_model_outputs`): the
+model's own outputs, and those of the models a subclassed container calls from Python
+(a VAE's encoder and decoder, a GAN's generator), so the user's loss code, written for
+float32, does not meet float16 beside float32 (the Keras mixed-precision guide's advice
+for the last layer). A model that is a node of a Functional graph is not cast: the next
+layer casts its inputs itself.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import types
 import keras
 from keras.src.backend import get_keras_mask, set_keras_mask
 
-__all__ = ["cast_at_boundaries", "casts_to"]
+__all__ = ["cast_at_boundaries", "cast_model_outputs", "casts_to"]
 
 _ATTR = "_keras_mp_output_dtype"
 
@@ -85,5 +92,41 @@ def cast_at_boundaries(layers: list, parents: dict) -> int:
             continue
         object.__setattr__(layer, _ATTR, "float32")
         object.__setattr__(layer, "call", types.MethodType(_cast_call, layer))
+        count += 1
+    return count
+
+
+def _graph(layer) -> bool:
+    from keras.src.models.functional import Functional
+
+    return isinstance(layer, (Functional, keras.Sequential))
+
+
+def cast_model_outputs(model: keras.Model, layers: list, parents: dict, low: bool) -> int:
+    """Sets (`low`) or removes the float32 casts of `model`'s outputs and of the outputs
+    of the models under it that a subclassed model calls from Python.
+
+    Args:
+        model: the converted model.
+        layers, parents: `keep_list.layer_tree(model)`.
+        low: whether the policy computes in a low dtype.
+
+    Returns:
+        How many models cast their outputs.
+    """
+    count = 0
+    for m in [model, *layers]:
+        if not isinstance(m, keras.Model):
+            continue
+        parent = parents.get(id(m))
+        if m is not model and (parent is None or _graph(parent)):
+            continue
+        if casts_to(m) is not None:
+            object.__delattr__(m, "call")
+            object.__delattr__(m, _ATTR)
+        if not low or "call" in vars(m):
+            continue
+        object.__setattr__(m, _ATTR, "float32")
+        object.__setattr__(m, "call", types.MethodType(_cast_call, m))
         count += 1
     return count

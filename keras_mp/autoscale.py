@@ -19,6 +19,9 @@ state it cannot keep raises a `ValueError` naming the supported ones.
 
 `compile(..., auto_scale_loss=False)` turns all of it off, as in Keras. A model under a
 plain Keras `"mixed_float16"` with no keras_mp policy in sight keeps Keras' own wrapping.
+A model with its own `train_step` compiled with no optimizer (a GAN's `super().compile()`,
+which keeps its optimizers as attributes) is left with Keras' default, unwrapped: those
+its `train_step` applies are checked by `keras_mp.optimizer_guard` instead.
 """
 
 from __future__ import annotations
@@ -118,12 +121,18 @@ def stock_scaler_message(model: keras.Model) -> str | None:
     )
 
 
-def _after_compile(model, arguments: dict) -> None:
+def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> None:
+    from keras_mp import optimizer_guard
     from keras_mp.lean import LeanOptimizer
     from keras_mp.loss_scale import LossScaleOptimizer
 
     opt = getattr(model, "optimizer", None)
     if opt is None or isinstance(opt, LeanOptimizer):
+        return
+    if not optimizer_passed and type(model).train_step is not keras.Model.train_step:
+        # `super().compile()` in a GAN's own `compile`: Keras' default "rmsprop", which the
+        # user never wrote and the model's own `train_step` need not use. The optimizers
+        # it applies are checked when they first do (`keras_mp.optimizer_guard`).
         return
     if isinstance(opt, keras.optimizers.LossScaleOptimizer) and wants_lean_optimizer(model):
         raise ValueError(
@@ -131,7 +140,10 @@ def _after_compile(model, arguments: dict) -> None:
             "need no loss scaling: compile it with the inner optimizer (Adam, AdamW or SGD; "
             "it becomes kmp.LeanOptimizer) instead of a LossScaleOptimizer."
         )
-    if isinstance(opt, LossScaleOptimizer) or not arguments.get("auto_scale_loss", True):
+    if not arguments.get("auto_scale_loss", True):
+        optimizer_guard.exempt(opt)  # the user turned it off
+        return
+    if isinstance(opt, LossScaleOptimizer):
         return
     if wants_lean_optimizer(model):
         from keras_mp.model_copy import float32_statistics
@@ -150,6 +162,7 @@ def _after_compile(model, arguments: dict) -> None:
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         if isinstance(passed, keras.optimizers.LossScaleOptimizer):  # the user's choice
             warnings.warn(stock_scaler_message(model), UserWarning, stacklevel=3)
+            optimizer_guard.exempt(opt.inner_optimizer)
             return
         if not _keras_mp_policy_in_sight(model):
             return  # Keras' own wrapping of a plain Keras model
@@ -171,8 +184,9 @@ def install() -> None:
     def compile(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
+        passed = "optimizer" in bound.arguments
         bound.apply_defaults()
-        _after_compile(self, bound.arguments)
+        _after_compile(self, bound.arguments, optimizer_passed=passed)
         return result
 
     compile._keras_mp_autoscale = True

@@ -20,9 +20,9 @@ from typing import Any
 import keras
 from keras.src.utils.tracking import DotNotTrackScope
 
-from keras_mp import _runcheck, keep_list
+from keras_mp import _runcheck, keep_list, optimizer_guard
 from keras_mp import calibrate as calibration
-from keras_mp._boundary import cast_at_boundaries
+from keras_mp._boundary import cast_at_boundaries, cast_model_outputs
 from keras_mp.model_copy import copy_model, pair_layers, recast_variables
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
 
@@ -121,7 +121,8 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     where a key misses, an exact one is added; so does such a model itself. Layers without a
     path, which Keras does not resolve through a map, get their policy directly. Then the
     plan's swaps, keras_mp's layer norm and GELU kernels (same state, config and math), and
-    the casts of low sublayers' outputs to float32 inside a layer pinned alone
+    the casts of low sublayers' outputs to float32 inside a layer pinned alone, and of the
+    model's outputs (and those of the models a subclassed model calls) to float32
     (`keras_mp._boundary`).
     """
     policy = the_plan.policy
@@ -147,6 +148,7 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     if policy.is_low_precision:
         _swap_layers(layers, where, the_plan, policy)
     cast_at_boundaries(layers, parents)
+    cast_model_outputs(model, layers, parents, policy.is_low_precision)
 
 
 def _track_after_dropout(attention, softmax) -> None:
@@ -329,6 +331,7 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
         from keras_mp.float8 import apply_float8
 
         apply_float8(new, policy.float8_recipe)  # the output layers stay bfloat16
+    optimizer_guard.mark(new, policy)  # a plain optimizer on these weights warns
     _compile_like(model, new)
     new.precision_plan = the_plan
     return new

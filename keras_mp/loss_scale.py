@@ -200,6 +200,18 @@ def _values(g):
     return g.values if _is_sparse(g) else g
 
 
+def _with_static_shape(g, variable):
+    """A dense gradient whose static shape is not fully known (TensorFlow, e.g. through a
+    sequence of unknown length) reshaped to its variable's: the inner optimizer's update
+    needs it (`as_list() is not defined on an unknown TensorShape`)."""
+    if g is None or _is_sparse(g):
+        return g
+    shape = g.shape
+    if getattr(shape, "rank", 0) is None:  # a TensorShape of unknown rank
+        return ops.reshape(g, variable.shape)
+    return g if all(d is not None for d in shape) else ops.reshape(g, variable.shape)
+
+
 def _per_variable_finite(grads) -> Any:
     """One bool per gradient: all of its values finite (True for None)."""
     if not grads:
@@ -350,6 +362,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             **kwargs,
         )
         self.loss_scale_config = config
+        from keras_mp import optimizer_guard
+
+        optimizer_guard.exempt(inner_optimizer)  # it gets scaled gradients from here
 
     # -- arguments, as read-only views of the config ---------------------------------
 
@@ -438,11 +453,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return ops.cast(self.iterations, "int32") + ops.cast(self.skipped_steps, "int32")
 
     def _unscale(self, grads, trainable_variables, scale, scaled=True):
-        if not scaled:
-            return list(grads)
+        """Divides scaled gradients by `scale` in float32 (`scaled=False`: as they are);
+        a dense gradient of unknown static shape gets its variable's."""
         out = []
         for g, v in zip(grads, trainable_variables):
-            if g is None or self._overwrite_variable_with_gradient(v):
+            g = _with_static_shape(g, v)
+            if g is None or not scaled or self._overwrite_variable_with_gradient(v):
                 out.append(g)
                 continue
             values = _values(g)

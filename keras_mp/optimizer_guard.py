@@ -1,0 +1,140 @@
+"""A plain optimizer updating a converted model's weights is told what it misses, once.
+
+`model.compile` gives a converted model keras_mp's optimizers (`keras_mp.autoscale`), but
+users' own training code often brings its own: a GAN's `train_step` applies the two Adams
+it keeps as attributes, the JAX guide's loop calls `optimizer.stateless_apply` directly.
+Such an optimizer sees none of what the policy needs:
+
+- on the bfloat16 weights of `"lean_bfloat16"` it trains pure bfloat16 (updates below a
+  weight's bfloat16 step are rounded away): it should be `kmp.LeanOptimizer(optimizer)`;
+- on the weights of layers computing in float16 its gradients are not loss-scaled (small
+  ones underflow to zero): it can be `kmp.LossScaleOptimizer(optimizer)`, with the loss
+  passed through `optimizer.scale_loss` inside the tape.
+
+`mark(model, policy)` (called by `kmp.convert`) tags the converted model's trainable
+variables with what they need; `install()` (done by `import keras_mp`) makes every
+Keras optimizer check, the first time it applies gradients, whether its variables carry
+such a tag (or are bfloat16 under the global `"lean_bfloat16"` policy), and warn once
+naming the wrapper. keras_mp's own wrappers, and the optimizers they wrap, are exempt;
+so is an optimizer compiled with `auto_scale_loss=False`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+
+import keras
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+__all__ = ["exempt", "install", "mark", "plain_optimizer_message"]
+
+LEAN, FLOAT16 = "lean", "float16"
+_TAG = "_keras_mp_needs"
+_EXEMPT = "_keras_mp_exempt"
+_DEPTH = threading.local()  # an optimizer applied inside another's apply is its inner one
+
+
+def mark(model: keras.Model, policy) -> None:
+    """Tags `model`'s trainable variables with what a plain optimizer would miss.
+
+    Args:
+        model: a model `kmp.convert` made.
+        policy: its `kmp.Policy`.
+    """
+    for layer in model._flatten_layers(include_self=True):
+        for v in layer._trainable_variables:
+            if policy.is_lean and v.dtype == "bfloat16":
+                setattr(v, _TAG, LEAN)
+            elif (layer.compute_dtype, v.dtype) == ("float16", "float32"):
+                setattr(v, _TAG, FLOAT16)
+
+
+def exempt(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """Marks `optimizer` as run by a wrapper that gives it what it needs (no warning).
+
+    Args:
+        optimizer: a Keras optimizer.
+
+    Returns:
+        `optimizer`.
+    """
+    setattr(optimizer, _EXEMPT, True)
+    return optimizer
+
+
+def _needs(variables) -> str | None:
+    from keras_mp import policies
+
+    remembered = policies.remembered_policy()
+    lean_globally = remembered is not None and remembered.is_lean
+    needs = None
+    for v in variables:
+        tag = getattr(v, _TAG, None)
+        if tag is None and lean_globally and getattr(v, "dtype", None) == "bfloat16":
+            tag = LEAN
+        if tag == LEAN:
+            return LEAN
+        needs = needs or tag
+    return needs
+
+
+def plain_optimizer_message(optimizer, needs: str) -> str:
+    """What `optimizer` misses on variables that need `needs` (`"lean"` or `"float16"`)."""
+    kind = type(optimizer).__name__
+    if needs == LEAN:
+        return (
+            f"{kind} optimizer {optimizer.name!r} updates bfloat16 weights of a "
+            "'lean_bfloat16' model directly: that is pure bfloat16 training (updates below "
+            "a weight's bfloat16 step are rounded away; the model may not learn). Wrap it: "
+            f"kmp.LeanOptimizer(keras.optimizers.{kind}(...)) keeps the update exact "
+            "(compensated float32 arithmetic). See docs/custom-training.md."
+        )
+    return (
+        f"{kind} optimizer {optimizer.name!r} updates weights of a model computing in "
+        "float16 without loss scaling: gradients below 6e-8 underflow to zero. Wrap it, "
+        f"kmp.LossScaleOptimizer(keras.optimizers.{kind}(...)), and scale the loss inside "
+        "the tape with `loss = optimizer.scale_loss(loss)`. See docs/custom-training.md."
+    )
+
+
+def _check(optimizer) -> None:
+    if getattr(optimizer, "_keras_mp_checked", False) or getattr(optimizer, _EXEMPT, False):
+        return
+    from keras_mp.lean import LeanOptimizer
+
+    if isinstance(optimizer, (LeanOptimizer, keras.optimizers.LossScaleOptimizer)):
+        return
+    variables = getattr(optimizer, "_trainable_variables", None) or []
+    if not variables:
+        return  # not built yet: checked at the next call
+    optimizer._keras_mp_checked = True
+    needs = _needs(variables)
+    if needs is not None:
+        warnings.warn(plain_optimizer_message(optimizer, needs), UserWarning, stacklevel=4)
+
+
+def _guarded(method):
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        depth = getattr(_DEPTH, "value", 0)
+        _DEPTH.value = depth + 1
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            _DEPTH.value = depth
+        if depth == 0:
+            _check(self)  # after the call: `apply` builds the optimizer on first use
+        return result
+
+    guarded._keras_mp_guard = True
+    return guarded
+
+
+def install() -> None:
+    """Makes `apply` and `stateless_apply` of every Keras optimizer check once (idempotent)."""
+    for name in ("apply", "stateless_apply"):
+        method = getattr(BaseOptimizer, name)
+        if not getattr(method, "_keras_mp_guard", False):
+            setattr(BaseOptimizer, name, _guarded(method))
