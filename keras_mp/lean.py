@@ -19,7 +19,7 @@ import keras
 from keras import ops
 from keras.src.utils import tracking
 
-from keras_mp import lean_codecs
+from keras_mp import lean_codecs, lean_sharding
 
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED", "lean_rule"]
 
@@ -89,6 +89,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         moments: storage of the moments: `"int8"` (default), `"bfloat16"`, `"float32"`.
         block_size: values per scale of the int8 moments.
         min_quantized_size: tensors with fewer elements keep float32 moments.
+        shard_over_data: split the state across the data-parallel axis of the
+            `keras.distribution` in effect (ZeRO stage 1, JAX): each of N data-parallel
+            devices keeps 1/N of the compensation buffers and moments. Without it the
+            state is placed like the weights (split under `ModelParallel`, whole on every
+            device under `DataParallel`). See docs/distributed.md.
         name: optimizer name.
 
     Example:
@@ -108,6 +113,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         moments: str = DEFAULT_MOMENTS,
         block_size: int = 2048,
         min_quantized_size: int = 64,
+        shard_over_data: bool = False,
         name: str | None = None,
         **kwargs,
     ):
@@ -145,6 +151,12 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         self.moments = moments
         self.block_size = block_size
         self.min_quantized_size = min_quantized_size
+        if not isinstance(shard_over_data, bool):
+            raise ValueError(
+                f"LeanOptimizer: invalid `shard_over_data`={shard_over_data!r}: expected True "
+                "or False."
+            )
+        self.shard_over_data = shard_over_data
         self.beta_1 = float(getattr(inner_optimizer, "beta_1", 0.9))
         self.beta_2 = float(getattr(inner_optimizer, "beta_2", 0.999))
         self.epsilon = float(getattr(inner_optimizer, "epsilon", 1e-7))
@@ -164,17 +176,23 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             return "float32"
         return self.moments
 
-    def _add_moment(self, variable, name: str) -> tuple:
+    def _add_moment(self, variable, name: str, place, blocks) -> tuple:
         fmt = self._moment_format(variable)
-        codes_shape, scales_shape = lean_codecs.moment_shapes(
-            variable.shape, fmt, self.block_size
-        )
+        codes_shape, scales_shape = lean_codecs.moment_shapes(variable.shape, fmt, blocks)
         dtype = {"int8": "uint8", "bfloat16": "bfloat16", "float32": "float32"}[fmt]
         prefix = variable.path.replace("/", "_")
-        codes = self.add_variable(codes_shape, dtype=dtype, name=f"{prefix}_{name}")
+        if scales_shape is None:
+            layouts = (lean_sharding.state_layout(place, variable.shape), None)
+        else:
+            layouts = lean_sharding.codes_layouts(place)
+        codes = self.add_variable(
+            codes_shape, dtype=dtype, name=f"{prefix}_{name}", layout=layouts[0]
+        )
         scales = None
         if scales_shape is not None:
-            scales = self.add_variable(scales_shape, dtype="float32", name=f"{prefix}_{name}_scale")
+            scales = self.add_variable(
+                scales_shape, dtype="float32", name=f"{prefix}_{name}_scale", layout=layouts[1]
+            )
         return fmt, codes, scales
 
     @tracking.no_automatic_dependency_tracking
@@ -184,19 +202,22 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
         self._slots = []
         for variable in var_list:
-            slot = {"compensation": None, "m": None, "v": None}
+            place = lean_sharding.placement(variable, self.shard_over_data)
+            blocks = lean_sharding.blocks(place, variable.shape, self.block_size)
+            slot = {"compensation": None, "m": None, "v": None, "blocks": blocks}
             if variable.dtype == "bfloat16" and self.rounding != "stochastic":
                 dtype = "int8" if self.rounding == "kahan" else "bfloat16"
                 slot["compensation"] = self.add_variable(
                     tuple(variable.shape),
                     dtype=dtype,
                     name=variable.path.replace("/", "_") + "_compensation",
+                    layout=lean_sharding.state_layout(place, variable.shape),
                 )
             if self.kind in ("adam", "adamw"):
-                slot["m"] = self._add_moment(variable, "momentum")
-                slot["v"] = self._add_moment(variable, "velocity")
+                slot["m"] = self._add_moment(variable, "momentum", place, blocks)
+                slot["v"] = self._add_moment(variable, "velocity", place, blocks)
             elif self.momentum > 0:
-                slot["m"] = self._add_moment(variable, "momentum")
+                slot["m"] = self._add_moment(variable, "momentum", place, blocks)
             self._slots.append(slot)
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
@@ -208,6 +229,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 initializer=initializer,
                 dtype="float32",
                 name=f"{prefix}_{name}",
+                layout=getattr(reference_variable, "_layout", None),
             )
         return super().add_variable_from_reference(reference_variable, name, initializer)
 
@@ -250,6 +272,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             weight_dtype=keras.backend.standardize_dtype(variable.dtype),
             m=None if slot["m"] is None else slot["m"][0],
             v=None if slot["v"] is None else slot["v"][0],
+            blocks=slot["blocks"],
         )
         return static, values, writes
 
@@ -311,7 +334,6 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         return _Hyper(
             kind=self.kind,
             rounding=self.rounding,
-            block_size=self.block_size,
             beta_1=self.beta_1,
             beta_2=self.beta_2,
             epsilon=self.epsilon,
@@ -373,6 +395,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 "moments": self.moments,
                 "block_size": self.block_size,
                 "min_quantized_size": self.min_quantized_size,
+                "shard_over_data": self.shard_over_data,
             }
         )
         return config
@@ -382,7 +405,10 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         config = dict(config)
         own = {
             k: config.pop(k)
-            for k in ("rounding", "moments", "block_size", "min_quantized_size", "name")
+            for k in (
+                "rounding", "moments", "block_size", "min_quantized_size", "shard_over_data",
+                "name",
+            )
             if k in config
         }
         kind = config.pop("optimizer")
@@ -402,12 +428,12 @@ class _Static(NamedTuple):
     weight_dtype: str
     m: str | None  # moment formats, None: no such moment
     v: str | None
+    blocks: lean_codecs.Blocks  # the 8-bit moments' blocks (`lean_sharding.blocks`)
 
 
 class _Hyper(NamedTuple):
     kind: str
     rounding: str
-    block_size: int
     beta_1: float
     beta_2: float
     epsilon: float
@@ -446,14 +472,15 @@ def lean_rule(static: _Static, hyper: _Hyper, values: dict) -> dict:
 
     def moment(name, signed):
         return lean_codecs.decode_moment(
-            values[name], values.get(name + "_scale"), getattr(static, name), signed, shape
+            values[name], values.get(name + "_scale"), getattr(static, name), signed, shape,
+            static.blocks,
         )
 
     out = {}
 
     def store(name, x, signed, noise):
         codes, scale = lean_codecs.encode_moment(
-            x, getattr(static, name), signed, noise, hyper.block_size
+            x, getattr(static, name), signed, noise, static.blocks
         )
         out[name] = codes
         if scale is not None:

@@ -32,6 +32,7 @@ Moments (`encode_moment` / `decode_moment`):
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from keras import ops
 
@@ -42,7 +43,9 @@ __all__ = [
     "decode_weight",
     "encode_moment",
     "encode_weight",
+    "Blocks",
     "block_for",
+    "blocks_for",
     "moment_shapes",
     "random_bits",
     "uniforms",
@@ -230,26 +233,118 @@ def block_for(shape, block: int) -> int:
     return -(-size // blocks)
 
 
-def moment_shapes(shape, fmt: str, block: int) -> tuple:
-    """Shapes of a moment's storage: `(codes_shape, scales_shape or None)`."""
+class Blocks(NamedTuple):
+    """How a tensor's values are grouped into the blocks of an 8-bit moment.
+
+    The tensor is cut into `shards` (how many parts each dimension is split into, as its
+    sharding across devices splits it); each shard's values, in row-major order, fill
+    `per_shard` consecutive blocks of `length` values (the last one padded). No block
+    holds values of two shards, so a device that holds a shard of the weight holds whole
+    blocks and their scales.
+
+    Attributes:
+        shards: parts per dimension of the tensor (all 1: one shard).
+        per_shard: blocks per shard.
+        length: values per block.
+    """
+
+    shards: tuple
+    per_shard: int
+    length: int
+
+    @property
+    def count(self) -> int:
+        """All blocks: the first dimension of the codes, the length of the scales."""
+        return math.prod(self.shards) * self.per_shard
+
+
+def blocks_for(shape, block: int, shards=None, chunks: int = 1) -> Blocks:
+    """The `Blocks` of a tensor of `shape`, at most `block` values each.
+
+    Args:
+        shape: the tensor's shape.
+        block: the largest block length.
+        shards: parts per dimension (default: one shard); each must divide its dimension.
+        chunks: the blocks of each shard are a multiple of this (to split the codes
+            further across devices, e.g. a data-parallel axis, without padding blocks).
+
+    Returns:
+        A `Blocks`.
+    """
+    shape = tuple(int(d) for d in shape)
+    shards = tuple(shards) if shards is not None else (1,) * len(shape)
+    if len(shards) != len(shape) or any(d % n for d, n in zip(shape, shards)):
+        raise ValueError(f"blocks_for: shards {shards} do not divide the shape {shape}.")
+    per_shard_values = max(1, math.prod(shape) // math.prod(shards))
+    per_shard = -(-per_shard_values // block)
+    per_shard = -(-per_shard // chunks) * chunks
+    return Blocks(shards, per_shard, -(-per_shard_values // per_shard))
+
+
+def _as_blocks(layout, shape) -> Blocks:
+    if isinstance(layout, Blocks):
+        return layout
+    return blocks_for(shape, layout)
+
+
+def moment_shapes(shape, fmt: str, block) -> tuple:
+    """Shapes of a moment's storage: `(codes_shape, scales_shape or None)`.
+
+    Args:
+        shape: the tensor's shape.
+        fmt: one of `MOMENT_FORMATS`.
+        block: the largest block length, or the `Blocks` (`blocks_for`) to use.
+    """
     if fmt != "int8":
         return tuple(shape), None
-    block = block_for(shape, block)
-    blocks = -(-math.prod(shape) // block)
-    return (blocks, block), (blocks,)
+    layout = _as_blocks(block, shape)
+    return (layout.count, layout.length), (layout.count,)
 
 
-def _blocks(x, block: int):
-    flat = ops.reshape(ops.cast(x, "float32"), (-1,))
-    size = flat.shape[0]
-    blocks = max(1, -(-size // block))
-    pad = blocks * block - size
+def _shard_major(x, shards):
+    """`x` reshaped to `(shards, values of each shard in row-major order)`."""
+    shape = tuple(x.shape)
+    split = []
+    for d, n in zip(shape, shards):
+        split += [n, d // n]
+    x = ops.reshape(x, split or (1,))
+    rank = len(shape)
+    x = ops.transpose(x, [2 * i for i in range(rank)] + [2 * i + 1 for i in range(rank)])
+    return ops.reshape(x, (math.prod(shards), -1))
+
+
+def _from_shard_major(x, shards, shape):
+    """Inverse of `_shard_major`."""
+    rank = len(shape)
+    x = ops.reshape(x, tuple(shards) + tuple(d // n for d, n in zip(shape, shards)))
+    order = [0] * (2 * rank)
+    for i in range(rank):
+        order[2 * i], order[2 * i + 1] = i, rank + i
+    return ops.reshape(ops.transpose(x, order) if rank else x, shape)
+
+
+def _blocks(x, layout: Blocks):
+    """The values of `x` as `(layout.count, layout.length)` blocks (zero padded)."""
+    x = ops.cast(x, "float32")
+    values = _shard_major(x, layout.shards) if x.shape else ops.reshape(x, (1, 1))
+    size = values.shape[1]
+    pad = layout.per_shard * layout.length - size
     if pad:
-        flat = ops.pad(flat, [(0, pad)])
-    return ops.reshape(flat, (blocks, block))
+        values = ops.pad(values, [(0, 0), (0, pad)])
+    return ops.reshape(values, (layout.count, layout.length))
 
 
-def encode_moment(x, fmt: str, signed: bool, noise=None, block: int = 2048):
+def _unblocks(values, layout: Blocks, shape):
+    """Inverse of `_blocks`."""
+    shards = math.prod(layout.shards)
+    size = max(1, math.prod(shape)) // shards
+    values = ops.reshape(values, (shards, layout.per_shard * layout.length))[:, :size]
+    if not shape:
+        return ops.reshape(values, ())
+    return _from_shard_major(values, layout.shards, tuple(shape))
+
+
+def encode_moment(x, fmt: str, signed: bool, noise=None, block=2048):
     """A float32 optimizer moment as its compact storage, rounded stochastically.
 
     Args:
@@ -258,11 +353,12 @@ def encode_moment(x, fmt: str, signed: bool, noise=None, block: int = 2048):
         signed: True for a signed map (first moment), False for the unsigned map.
         noise: uniform [0, 1) noise of `x`'s shape (`uniforms`; default
             `uniforms(shape, 0)`) for the stochastic rounding.
-        block: values per scale for `"int8"`.
+        block: for `"int8"`, the largest number of values per scale, or the `Blocks`
+            (`blocks_for`) to use.
 
     Returns:
-        `(codes, scales)`: for `"int8"`, uint8 codes of shape `(blocks, block)` and their
-        float32 scales `(blocks,)`; otherwise the stored tensor and None.
+        `(codes, scales)`: for `"int8"`, uint8 codes of shape `(blocks, length)` and
+        their float32 scales `(blocks,)`; otherwise the stored tensor and None.
     """
     x = ops.cast(x, "float32")
     if fmt == "float32":
@@ -273,12 +369,12 @@ def encode_moment(x, fmt: str, signed: bool, noise=None, block: int = 2048):
         return stochastic_round_bfloat16(x, _bits(noise)), None
     if fmt != "int8":
         raise ValueError(f"Unknown moment format {fmt!r}; expected one of {MOMENT_FORMATS}.")
-    block = block_for(tuple(x.shape), block)
-    values = _blocks(x, block)
+    layout = _as_blocks(block, tuple(x.shape))
+    values = _blocks(x, layout)
     scale = ops.max(ops.abs(values), axis=1)
     safe = ops.where(scale > 0, scale, 1.0)
     normalized = ops.abs(values) / ops.expand_dims(safe, 1)
-    noise = _blocks(noise, block)
+    noise = _blocks(noise, layout)
     if signed:
         level = ops.sqrt(normalized) * _SIGNED_TOP
         magnitude = ops.minimum(ops.floor(level + noise), _SIGNED_TOP)
@@ -290,8 +386,20 @@ def encode_moment(x, fmt: str, signed: bool, noise=None, block: int = 2048):
     return ops.cast(code, "uint8"), scale
 
 
-def decode_moment(codes, scales, fmt: str, signed: bool, shape):
-    """The float32 moment of `shape` that `encode_moment`'s output stands for."""
+def decode_moment(codes, scales, fmt: str, signed: bool, shape, block=None):
+    """The float32 moment of `shape` that `encode_moment`'s output stands for.
+
+    Args:
+        codes, scales: `encode_moment`'s output.
+        fmt: one of `MOMENT_FORMATS`.
+        signed: as given to `encode_moment`.
+        shape: the moment's shape.
+        block: the `Blocks` it was encoded with (default: one shard, blocks as long as
+            the codes' rows).
+
+    Returns:
+        A float32 tensor of `shape`.
+    """
     if fmt != "int8":
         return ops.cast(codes, "float32")
     code = ops.cast(codes, "float32")
@@ -303,5 +411,7 @@ def decode_moment(codes, scales, fmt: str, signed: bool, shape):
     else:
         value = ops.square(ops.square(code * (1.0 / _UNSIGNED_TOP)))
     value = value * ops.expand_dims(scales, 1)
-    size = math.prod(shape)
-    return ops.reshape(ops.reshape(value, (-1,))[:size], shape)
+    if not isinstance(block, Blocks):
+        count, length = codes.shape
+        block = Blocks((1,) * len(shape), int(count), int(length))
+    return _unblocks(value, block, tuple(shape))

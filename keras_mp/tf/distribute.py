@@ -39,7 +39,13 @@ __all__ = [
     "check_jit_compile",
     "launch_local_workers",
     "local_tf_configs",
+    "widen_collective_broadcasts",
 ]
+
+# Dtypes TensorFlow's collective broadcast refuses, and the wider dtype that holds each
+# exactly (a cast there and back loses nothing).
+_WIDER = {"bfloat16": "float32", "uint8": "int32", "int8": "int32", "int16": "int32",
+          "uint16": "int32"}
 
 
 class UnsupportedJitCompileError(ValueError):
@@ -124,6 +130,45 @@ def check_jit_compile(strategy: Any = None) -> None:
         "loop may compile only the per-replica step: "
         "strategy.run(tf.function(step, jit_compile=True), args=...)."
     )
+
+
+def widen_collective_broadcasts() -> None:
+    """Lets `MultiWorkerMirroredStrategy` create bfloat16, int8 and uint8 variables.
+
+    Under that strategy every variable's initial value is broadcast from the chief worker
+    with TensorFlow's collective broadcast, which takes no bfloat16, int8 or uint8 (2.21:
+    "Value for attr 'T' of bfloat16 is not in the list of allowed values"): a
+    `"lean_bfloat16"` model (bfloat16 weights, uint8 moment codes) and Keras' own
+    `"bfloat16"` policy fail before the first step. This wraps the broadcast so that such
+    values travel as float32 / int32 and are cast back: exact, and only for the dtypes
+    TensorFlow refuses (others are untouched). `import keras_mp` calls it on the
+    TensorFlow backend; calling it again does nothing.
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import collective_ops
+
+    if getattr(collective_ops.broadcast_send, "_keras_mp_widened", False):
+        return
+    send, recv = collective_ops.broadcast_send, collective_ops.broadcast_recv
+
+    def wider(dtype):
+        return _WIDER.get(tf.as_dtype(dtype).name)
+
+    def broadcast_send(t, shape, dtype, *args, **kwargs):
+        wide = wider(dtype)
+        if wide is None:
+            return send(t, shape, dtype, *args, **kwargs)
+        return send(tf.cast(t, wide), shape, wide, *args, **kwargs)
+
+    def broadcast_recv(shape, dtype, *args, **kwargs):
+        wide = wider(dtype)
+        if wide is None:
+            return recv(shape, dtype, *args, **kwargs)
+        return tf.cast(recv(shape, wide, *args, **kwargs), dtype)
+
+    for fn in (broadcast_send, broadcast_recv):
+        fn._keras_mp_widened = True
+    collective_ops.broadcast_send, collective_ops.broadcast_recv = broadcast_send, broadcast_recv
 
 
 def _free_ports(n: int) -> list[int]:
