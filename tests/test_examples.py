@@ -33,6 +33,13 @@ TF_EXAMPLES = {
     ),
 }
 JAX_EXAMPLES = {"custom_loop_jax": ["validation accuracy", "loss scale"]}
+# example -> the optional package it imports (the example is skipped without it)
+NEEDS = {"lean_finetune": "keras_hub"}
+
+
+def _missing(name: str) -> str | None:
+    package = NEEDS.get(name)
+    return package if package and importlib.util.find_spec(package) is None else None
 
 _RUNNER = r"""
 import os, runpy, sys, traceback
@@ -93,12 +100,15 @@ def _run_batch(names, backend, tmp) -> dict:
 
 @pytest.fixture(scope="module")
 def tf_outputs(tmp_path_factory):
-    return _run_batch(list(TF_EXAMPLES), "tensorflow", tmp_path_factory.mktemp("examples"))
+    names = [name for name in TF_EXAMPLES if _missing(name) is None]
+    return _run_batch(names, "tensorflow", tmp_path_factory.mktemp("examples"))
 
 
 @pytest.mark.tf_only
 @pytest.mark.parametrize("name", list(TF_EXAMPLES))
 def test_tensorflow_example_runs(tf_outputs, name):
+    if _missing(name):
+        pytest.skip(f"{name} needs {_missing(name)}, which is not installed")
     assert name in tf_outputs, f"{name} did not finish:\n{tf_outputs['__stderr__']}"
     ok, output = tf_outputs[name]
     assert ok, f"{name} failed:\n{output[-3000:]}"
@@ -145,6 +155,8 @@ def test_jax_custom_loop_example_runs(tmp_path):
 @pytest.mark.tf_only
 @pytest.mark.parametrize("name", sorted({**TF_EXAMPLES, **JAX_EXAMPLES}))
 def test_example_as_its_own_script(name, tmp_path):
+    if _missing(name):
+        pytest.skip(f"{name} needs {_missing(name)}, which is not installed")
     env = _env(tmp_path, "tensorflow")
     env.pop("KERAS_MP_EXAMPLE_FAST")  # the full-size run
     env["KERAS_MP_EXAMPLE_OUT"] = str(tmp_path / "out")

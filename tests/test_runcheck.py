@@ -121,8 +121,11 @@ def test_models_that_run_get_no_pin_and_a_report():
 def test_sample_inputs_follow_the_input_specs():
     ids = keras.Input((None,), dtype="int32", name="ids")
     image = keras.Input((None, None, 3), name="image")
+    tokens = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(10, 3)(ids))
+    pixels = keras.layers.GlobalAveragePooling2D()(image)
+    # both inputs reach the output (Keras 3.12 refuses a Functional model with an unused one)
     model = keras.Model({"ids": ids, "image": image},
-                        keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(image)))
+                        keras.layers.Dense(2)(keras.layers.Concatenate()([tokens, pixels])))
     x = _trial.sample_inputs(model)
     assert x["ids"].shape == (2, 8) and x["ids"].dtype == np.int32 and (x["ids"] == 1).all()
     assert x["image"].shape == (2, 64, 64, 3) and x["image"].dtype == np.float32

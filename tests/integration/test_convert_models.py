@@ -14,8 +14,9 @@ def _relative_error(model, converted, x):
     # predict_on_batch: one compiled call (JAX runs eager calls op by op, ~6x slower here).
     reference = keras.ops.convert_to_numpy(model.predict_on_batch(x))
     result = converted.predict_on_batch(x)
-    # The logits projection runs in the compute dtype (the loss up-casts).
-    assert keras.backend.standardize_dtype(result.dtype) == converted.compute_dtype
+    # The logits projection runs in the compute dtype; the converted model hands its
+    # callers float32 (its outputs are cast at the model's boundary).
+    assert keras.backend.standardize_dtype(result.dtype) == "float32"
     result = keras.ops.convert_to_numpy(keras.ops.cast(result, "float32"))
     return float(np.abs(result - reference).max() / np.abs(reference).max())
 
