@@ -28,6 +28,7 @@ class StateBytes:
         optimizer: bytes of the optimizer's other variables (moments and their scales,
             EMA averages, gradient accumulators, counters).
         scaler: bytes of a loss scaler's own variables.
+        optimizers: how many optimizers' state is counted (0: the weights alone).
     """
 
     parameters: int
@@ -35,6 +36,7 @@ class StateBytes:
     compensation: int
     optimizer: int
     scaler: int
+    optimizers: int = 1
 
     @property
     def total(self) -> int:
@@ -55,8 +57,11 @@ class StateBytes:
 
     def __str__(self):
         mib = 1 / 2**20
+        counted = {0: " (weights only: no optimizer)", 1: ""}.get(
+            self.optimizers, f" ({self.optimizers} optimizers)"
+        )
         return (
-            f"{self.per_parameter:.2f} bytes/parameter of training state "
+            f"{self.per_parameter:.2f} bytes/parameter of training state{counted} "
             f"({self.total * mib:.2f} MiB for {self.parameters:,} parameters: weights "
             f"{self.weights * mib:.2f}, compensation {self.compensation * mib:.2f}, "
             f"optimizer {self.optimizer * mib:.2f}, scaler {self.scaler * mib:.4f} MiB)"
@@ -71,19 +76,22 @@ def _nbytes(variable) -> int:
 
 def state_bytes(
     model: keras.Model,
-    optimizer: keras.optimizers.Optimizer | None = None,
+    optimizer: keras.optimizers.Optimizer | list | tuple | None = None,
     build: bool = True,
 ) -> StateBytes:
     """The persistent training state of `model` with `optimizer`, in bytes.
 
     Exact, from the variables' shapes and dtypes. An optimizer that is not built yet is
     built on the model's trainable variables (as the first training step would), unless
-    `build=False`, which counts the weights alone.
+    `build=False`, which leaves it out. `optimizers` of the result says how many
+    optimizers were counted (0: the weights alone, and `print` says so).
 
     Args:
-        model: A built Keras model.
-        optimizer: Default: `model.optimizer` (none: the weights alone).
-        build: Whether to build an optimizer that is not built yet.
+        model: A Keras model with its variables created: a built model, or a container
+            (a GAN's model holding a generator and a discriminator).
+        optimizer: an optimizer, or a list of them (a GAN's two, each built on its own
+            variables); default: `model.optimizer` (none: the weights alone).
+        build: Whether to build a single optimizer that is not built yet.
 
     Returns:
         A `StateBytes`; `print` it, or read `per_parameter`.
@@ -96,31 +104,54 @@ def state_bytes(
     kmp.state_bytes(model).per_parameter      # about 5 (mixed_bfloat16 with AdamW: 12)
     ```
     """
-    from keras_mp.lean import LeanOptimizer
-
-    if not isinstance(model, keras.Model) or not model.built:
+    if not isinstance(model, keras.Model) or not (model.built or model.variables):
         raise ValueError(
-            f"state_bytes() takes a built keras.Model. Received: {model!r}"
+            "state_bytes() takes a keras.Model whose variables exist (a built model, or a "
+            f"container of built models). Received: {model!r}"
         )
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    several = isinstance(optimizer, (list, tuple))
+    optimizers = list(optimizer) if several else [] if optimizer is None else [optimizer]
+    for opt in optimizers:
+        if not isinstance(opt, keras.optimizers.Optimizer):
+            raise ValueError(
+                f"state_bytes(): `optimizer` must be a keras optimizer or a list of them; "
+                f"got {opt!r}."
+            )
+        if several and not opt.built:
+            raise ValueError(
+                f"state_bytes(): optimizer {opt.name!r} is not built; with several "
+                "optimizers each must be built on its own variables first "
+                "(`optimizer.build(variables)`, as its first step does)."
+            )
+    if not build:
+        optimizers = [opt for opt in optimizers if opt.built]
     parameters = sum(math.prod(v.shape) for v in model.trainable_variables)
     weights = sum(_nbytes(v) for v in model.variables)
+    totals = [0, 0, 0]  # compensation, optimizer, scaler
+    for opt in optimizers:
+        for i, value in enumerate(_optimizer_bytes(model, opt)):
+            totals[i] += value
+    return StateBytes(parameters, weights, *totals, optimizers=len(optimizers))
+
+
+def _optimizer_bytes(model, optimizer) -> tuple:
+    """`(compensation, optimizer, scaler)` bytes of one optimizer (built here if needed)."""
+    from keras_mp.lean import LeanOptimizer
+
     compensation = opt_bytes = scaler = 0
-    if optimizer is not None and not optimizer.built and not build:
-        optimizer = None
-    if optimizer is not None:
-        if not optimizer.built:
-            optimizer.build(model.trainable_variables)
-        inner = getattr(optimizer, "inner_optimizer", None)
-        own = optimizer.variables
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and inner is not None:
-            inner_ids = {id(v) for v in inner.variables}
-            scaler = sum(_nbytes(v) for v in own if id(v) not in inner_ids)
-            own = inner.variables
-            optimizer = inner
-        for v in own:
-            if isinstance(optimizer, LeanOptimizer) and v.name.endswith("_compensation"):
-                compensation += _nbytes(v)
-            else:
-                opt_bytes += _nbytes(v)
-    return StateBytes(parameters, weights, compensation, opt_bytes, scaler)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    own = optimizer.variables
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and inner is not None:
+        inner_ids = {id(v) for v in inner.variables}
+        scaler = sum(_nbytes(v) for v in own if id(v) not in inner_ids)
+        own = inner.variables
+        optimizer = inner
+    for v in own:
+        if isinstance(optimizer, LeanOptimizer) and v.name.endswith("_compensation"):
+            compensation += _nbytes(v)
+        else:
+            opt_bytes += _nbytes(v)
+    return compensation, opt_bytes, scaler
