@@ -239,11 +239,14 @@ def test_recorder_with_a_stateless_jax_loop():
         def step(state, x, y):
             tv, ntv, ov = state
 
-            def loss_fn(tv):
+            def loss_fn(tv):  # the loss scaled as docs/custom-training.md's JAX loop does
                 out, ntv2 = model.stateless_call(tv, ntv, x, training=True)
-                return keras.ops.mean((out - y) ** 2), ntv2
+                loss = keras.ops.mean((out - y) ** 2)
+                with keras.StatelessScope(state_mapping=list(zip(opt.variables, ov))):
+                    scaled = opt.scale_loss(loss)
+                return scaled, (loss, ntv2)
 
-            (loss, ntv2), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+            (_, (loss, ntv2)), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
             tv2, ov2 = opt.stateless_apply(ov, grads, tv)
             return (tv2, ntv2, ov2), loss
 
