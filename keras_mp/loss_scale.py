@@ -16,6 +16,7 @@ import warnings
 from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 from keras import ops
 
 __all__ = [
@@ -180,7 +181,6 @@ def update_loss_scale(
 
 def initial_loss_scale_state(config: LossScaleConfig, num_variables: int) -> LossScaleState:
     """The state before the first step (numpy values)."""
-    import numpy as np
 
     return LossScaleState(
         scale=np.float32(config.initial_scale),
@@ -601,6 +601,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return []
         mask = keras.ops.convert_to_numpy(self.nonfinite_mask.value)
         return [v.path for v, m in zip(self._trainable_variables, mask) if m]
+
+    def set_weights(self, weights):
+        """Sets the optimizer's variables from a list of arrays (`get_weights`' order).
+
+        Keras' legacy `.h5` loader builds the optimizer on `model._trainable_variables`,
+        which is empty for a Sequential or functional model, before it sets the saved
+        values: `nonfinite_mask` (one entry per trained variable) then has no entries while
+        the saved one has one per variable. That saved mask is left out (it only names the
+        variables of the last overflow) so the scale and its counters are restored as
+        stock Keras restores its own, instead of the whole state being dropped with
+        "Error in loading the saved optimizer state".
+
+        Args:
+            weights: a list of arrays, as `get_weights()` returns.
+        """
+        weights = list(weights)
+        if self.built and tuple(self.nonfinite_mask.shape) == (0,):
+            index = next(
+                i for i, v in enumerate(self._variables) if v is self.nonfinite_mask
+            )
+            if index < len(weights) and np.shape(weights[index]) != (0,):
+                weights[index] = np.zeros((0,), "int32")
+        super().set_weights(weights)
 
     def get_config(self):
         config = super().get_config()

@@ -529,3 +529,25 @@ def test_load_weights_refuses_a_mismatched_optimizer_state(tmp_path):
         warnings.simplefilter("ignore")
         kmp.saving.load_weights(target, path, skip_mismatch=True)  # weights only, on request
     np.testing.assert_array_equal(_values(target.weights)[0], _values(plain.weights)[0])
+
+
+def test_h5_reload_of_a_converted_model_restores_the_scaler_without_an_error(tmp_path, caplog):
+    # Keras' .h5 loader builds the optimizer on the model's own (empty) variable list, so
+    # the per-variable overflow mask has no entries: the saved 4-entry one used to make
+    # set_weights raise, and the loader drop the whole optimizer state with a log line.
+    model = kmp.convert(_dense_model(), "mixed_float16")
+    model.compile(optimizer="adam", loss=keras.losses.MeanSquaredError())
+    model.fit(RNG.normal(size=(8, 6)), RNG.normal(size=(8, 3)), epochs=2, verbose=0)
+    opt = model.optimizer
+    assert isinstance(opt, kmp.LossScaleOptimizer) and tuple(opt.nonfinite_mask.shape) == (4,)
+    opt.dynamic_scale.assign(256.0)
+    opt.skipped_steps.assign(3)
+    opt.nonfinite_mask.assign(np.array([0, 1, 0, 1], "int32"))
+    path = str(tmp_path / "converted.h5")
+    model.save(path)
+    with caplog.at_level("WARNING"):
+        loaded = keras.models.load_model(path)
+    assert "Error in loading the saved optimizer state" not in caplog.text
+    restored = loaded.optimizer
+    assert isinstance(restored, kmp.LossScaleOptimizer)
+    assert float(restored.dynamic_scale) == 256.0 and int(restored.skipped_steps) == 3
