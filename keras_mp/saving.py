@@ -38,12 +38,15 @@ def _registered_names(config: Any, where: str = "config"):
             yield from _registered_names(value, f"{where}[{i}]")
 
 
-def _check_archive(filepath: str, custom_objects: dict | None) -> None:
-    """Raises a clear error if `filepath` is not a complete, loadable .keras archive."""
+def _check_archive(filepath: str, custom_objects: dict | None) -> dict | None:
+    """Raises a clear error if `filepath` is not a complete, loadable .keras archive.
+
+    Returns the archive's parsed `config.json` (None for a path that is not a `.keras` file).
+    """
     if not os.path.exists(filepath):
         raise FileNotFoundError(f"No such file: {filepath!r}.")
     if os.path.isdir(filepath) or not filepath.endswith(".keras"):
-        return  # Keras' own checks (directory format, wrong extension) are clear.
+        return None  # Keras' own checks (directory format, wrong extension) are clear.
     size = os.path.getsize(filepath)
     if not zipfile.is_zipfile(filepath):
         raise ValueError(
@@ -94,6 +97,48 @@ def _check_archive(filepath: str, custom_objects: dict | None) -> None:
             f"@keras.saving.register_keras_serializable(package={package!r})) before loading, "
             "or pass it in `custom_objects`."
         )
+    return config
+
+
+def _restore_container_policies(model: keras.Model, config: dict) -> int:
+    """Gives nested Sequential/functional models the dtype policy their config saved.
+
+    `Sequential.from_config` (and a functional model's) ignores the saved `dtype`, so a
+    converted model's nested blocks (ConvNeXt's stem and downsampling Sequentials) come
+    back labelled with the global policy while their layers keep the saved one.
+
+    Returns:
+        How many nested models got their saved policy back.
+    """
+    restored = 0
+
+    def walk(parent, parent_config):
+        nonlocal restored
+        sublayers = (parent_config.get("config") or {}).get("layers")
+        if not isinstance(sublayers, list) or not hasattr(parent, "get_layer"):
+            return
+        for sub in sublayers:
+            inner = sub.get("config") if isinstance(sub, dict) else None
+            if not isinstance(inner, dict) or not isinstance(inner.get("name"), str):
+                continue
+            try:
+                child = parent.get_layer(inner["name"])
+            except ValueError:
+                continue
+            if not isinstance(child, keras.Model):
+                continue
+            saved = inner.get("dtype")
+            if isinstance(saved, (dict, str)) and not isinstance(
+                child.dtype_policy, keras.dtype_policies.DTypePolicyMap
+            ):
+                policy = keras.dtype_policies.get(saved)
+                if policy.name != child.dtype_policy.name:
+                    child.dtype_policy = policy
+                    restored += 1
+            walk(child, sub)
+
+    walk(model, config)
+    return restored
 
 
 def load_model(
@@ -108,7 +153,9 @@ def load_model(
     truncated) whose members pass their CRC checks; it has a readable `config.json`;
     and every registered object it names (e.g. `keras_mp>Float32`) is known. Each
     failure raises a `ValueError` (`FileNotFoundError` for a missing file) that names
-    the file and the problem. A successful check then defers to Keras.
+    the file and the problem. A successful check then defers to Keras; nested
+    Sequential and functional models then get back the dtype policy their config saved
+    (Keras gives them the global one, while their layers keep the saved one).
 
     Args:
         filepath: Path to a `.keras` file (other paths go straight to Keras).
@@ -124,10 +171,12 @@ def load_model(
     >>> model = keras_mp.saving.load_model("run/model.keras")  # doctest: +SKIP
     """
     filepath = os.fspath(filepath)
-    _check_archive(filepath, custom_objects)
+    config = _check_archive(filepath, custom_objects)
     model = keras.models.load_model(
         filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
     )
+    if config is not None:
+        _restore_container_policies(model, config)
     reapply_plan(model)
     return model
 

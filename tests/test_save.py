@@ -551,3 +551,32 @@ def test_h5_reload_of_a_converted_model_restores_the_scaler_without_an_error(tmp
     restored = loaded.optimizer
     assert isinstance(restored, kmp.LossScaleOptimizer)
     assert float(restored.dynamic_scale) == 256.0 and int(restored.skipped_steps) == 3
+
+
+def test_nested_blocks_keep_their_policy_label_through_a_keras_file(tmp_path):
+    # ConvNeXt's shape: Sequential blocks (stem, downsampling) inside a functional model,
+    # one of them inside a nested functional block (whose own label Keras does not save:
+    # a functional config has no dtype).
+    stem = keras.Sequential([keras.layers.Conv2D(4, 2, strides=2)], name="stem")
+    down = keras.Sequential([keras.layers.Conv2D(8, 2, strides=2)], name="down")
+    inner_in = keras.Input((4, 4, 4))
+    stage = keras.Model(inner_in, down(keras.layers.ReLU()(inner_in)), name="stage")
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.GlobalAveragePooling2D()(stage(stem(inputs)))
+    model = kmp.convert(keras.Model(inputs, keras.layers.Dense(2)(x)), "mixed_float16")
+
+    def labels(m):
+        return {"stem": m.get_layer("stem"), "down": m.get_layer("stage").get_layer("down")}
+
+    before = {n: x.dtype_policy.name for n, x in labels(model).items()}
+    assert before == {"stem": "mixed_float16", "down": "mixed_float16"}
+    path = str(tmp_path / "nested.keras")
+    model.save(path)
+    loaded = kmp.saving.load_model(path)
+    assert {n: x.dtype_policy.name for n, x in labels(loaded).items()} == before
+    assert labels(loaded)["down"].layers[0].compute_dtype == "float16"
+    x = RNG.normal(size=(2, 8, 8, 3)).astype("float32")
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(model.predict_on_batch(x)),
+        keras.ops.convert_to_numpy(loaded.predict_on_batch(x)),
+    )
