@@ -90,7 +90,8 @@ def state_bytes(
         model: A Keras model with its variables created: a built model, or a container
             (a GAN's model holding a generator and a discriminator).
         optimizer: an optimizer, or a list of them (a GAN's two, each built on its own
-            variables); default: `model.optimizer` (none: the weights alone).
+            variables; each counted once, a wrapper's inner optimizer in its wrapper);
+            default: `model.optimizer` (none: the weights alone).
         build: Whether to build a single optimizer that is not built yet.
 
     Returns:
@@ -124,6 +125,14 @@ def state_bytes(
                 "optimizers each must be built on its own variables first "
                 "(`optimizer.build(variables)`, as its first step does)."
             )
+    # Each optimizer's state once: the same one listed twice, or a wrapper and the
+    # optimizer it wraps (whose state the wrapper's already holds).
+    inner = {id(getattr(opt, "inner_optimizer", None)) for opt in optimizers}
+    optimizers = [
+        opt
+        for i, opt in enumerate(optimizers)
+        if id(opt) not in inner and all(opt is not o for o in optimizers[:i])
+    ]
     if not build:
         optimizers = [opt for opt in optimizers if opt.built]
     parameters = sum(math.prod(v.shape) for v in model.trainable_variables)

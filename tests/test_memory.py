@@ -41,6 +41,7 @@ def test_container_with_two_optimizers_counts_each_once():
     for field in ("weights", "compensation", "optimizer"):
         assert getattr(both, field) == sum(getattr(s, field) for s in alone)
     assert both.compensation == both.parameters  # one int8 byte per bfloat16 weight
+    assert kmp.state_bytes(gan, [d_opt, g_opt, d_opt]) == both  # each state once
     with pytest.raises(ValueError, match="keras optimizer"):
         kmp.state_bytes(gan, ["adam"])
 
@@ -51,3 +52,13 @@ def test_an_unbuilt_model_is_refused_by_name():
 
     with pytest.raises(ValueError, match="whose variables exist"):
         kmp.state_bytes(Empty())
+
+
+def test_a_wrapper_and_its_inner_optimizer_count_once():
+    model = kmp.convert(
+        keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)]), "mixed_float16"
+    )
+    opt = kmp.LossScaleOptimizer(keras.optimizers.Adam())
+    alone = kmp.state_bytes(model, opt)
+    assert alone.optimizer == 2 * 36 * 4 + 8 + 4  # two float32 moments, iteration, lr
+    assert kmp.state_bytes(model, [opt, opt.inner_optimizer]) == alone
