@@ -1,0 +1,443 @@
+"""Compile-only per-device memory of a full fine-tune of a Gemma-2B-sized keras_hub model
+(issue 32.5, keras-hub#1628), on one device or several, for an H200 or the local device.
+
+`keras_hub.models.GemmaCausalLM` on a `GemmaBackbone` built from explicit kwargs (Gemma-2B:
+2,506,172,416 parameters, the figure of keras_hub's `gemma_2b_en` preset; no preset is
+downloaded), random init, sequence 1024, AdamW, loss on the tied-embedding logits: one
+`model.train_step` compiled (not run) as `benchmarks/xla_memory.py` does, with weights,
+optimizer state and batch as abstract arguments (buffers donated as `model.fit` does).
+
+No weight is materialised: the model and the optimizer are built inside a Keras
+`StatelessScope`, where variables with an initializer stay uninitialised (shape, dtype and
+layout only); the arguments are `jax.ShapeDtypeStruct`s carrying each variable's sharding.
+keras_mp's policies come from `kmp.convert` run on a twin with the same layers at tiny
+sizes (a real, small model): its `DTypePolicyMap` (the config) and its variables' dtypes
+(lean's bfloat16 trainable weights) are given to the full-size model by variable path.
+
+Devices: `--devices 1` compiles for one device; `--devices N` for N compile-only devices
+of the target (XLA:GPU: `get_topology_desc(topology="1x1xN")`), under the `--mesh`:
+- `model`: `keras.distribution.ModelParallel`, mesh (batch=1, model=N), keras_hub's
+  `GemmaBackbone.get_layout_map` (what keras-hub#1628 ran, there on 4 GPUs), batch 1. As
+  keras_hub writes it the map splits the single key/value head over "model", which cannot
+  be (IndivisibleError; `--layout-map keras_hub` records it): by default those two kernels
+  are replicated over "model" (`--layout-map kv_replicated`).
+- `data`: `keras.distribution.DataParallel` over N (weights replicated), batch N (one
+  sequence per device); with `lean_split` the lean state is split over the N devices.
+- `BxM` (e.g. `2x4`): ModelParallel on a (batch=B, model=M) mesh, batch B.
+`memory_analysis()` of an SPMD program is per device. Policies: `stock_mixed_bfloat16`
+(Keras' policy, keras.optimizers.AdamW), `keras_mp_mixed_bfloat16`, `lean` (`lean_bfloat16`,
+`kmp.LeanOptimizer(AdamW)`), `lean_split` (the same with `shard_over_data=True`). A
+`@remat` suffix builds the model under `keras.RematScope(mode="list_of_layers")` naming the
+decoder blocks (each block's forward recomputed in the backward pass); the record's
+`hlo_flops` (XLA's cost analysis of the lowered, unoptimised HLO) counts the recomputation.
+
+    pip install "jax[cuda12]==0.10.2"   # in a venv of its own; compile only, no GPU needed
+    PYTHONPATH=. python benchmarks/gemma_memory.py --target h200 --devices 1 \
+        --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16,lean,lean@remat
+    PYTHONPATH=. python benchmarks/gemma_memory.py --target h200 --devices 8 --mesh model \
+        --policies stock_mixed_bfloat16,keras_mp_mixed_bfloat16,lean
+    PYTHONPATH=. python benchmarks/gemma_memory.py --target h200 --devices 8 --mesh data \
+        --policies lean,lean_split
+
+(BENCHMARKS.md section 13 has every command and the table.)
+
+`--tiny` builds a small model (vocabulary 512, 2 layers) to check the pipeline in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+GIB = 2**30
+SEQUENCE = 1024
+
+# keras_hub's gemma_2b_en (2,506,172,416 parameters; the preset's own config is on Kaggle).
+GEMMA_2B = dict(
+    vocabulary_size=256000,
+    num_layers=18,
+    num_query_heads=8,
+    num_key_value_heads=1,
+    hidden_dim=2048,
+    intermediate_dim=32768,
+    head_dim=256,
+)
+GEMMA_2B_PARAMS = 2506172416
+TINY = dict(
+    vocabulary_size=512,
+    num_layers=2,
+    num_query_heads=8,
+    num_key_value_heads=1,
+    hidden_dim=64,
+    intermediate_dim=256,
+    head_dim=16,
+)
+POLICIES = {
+    "stock_mixed_bfloat16": "mixed_bfloat16",
+    "keras_mp_mixed_bfloat16": "mixed_bfloat16",
+    "lean": "lean_bfloat16",
+    "lean_split": "lean_bfloat16",
+}
+
+
+def devices_for(target, count: int) -> list:
+    """`count` compile-only devices of an XLA:GPU target, or local devices."""
+    import jax
+
+    if target is None:
+        devices = jax.devices()
+        if len(devices) < count:
+            raise SystemExit(
+                f"--devices {count}: {len(devices)} local devices (for CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={count})"
+            )
+        return devices[:count]
+    from jax.experimental import topologies
+    from xla_memory import TARGETS
+
+    with open(TARGETS.get(target, target)) as f:
+        config = f.read()
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology_name="", topology=f"1x1x{count}", target_config=config
+    )
+    return list(topology.devices)[:count]
+
+
+def distribution_for(mesh: str, devices: list, layout: str = "kv_replicated"):
+    """`(distribution, batch)`: a keras.distribution over `devices` and the global batch."""
+    import keras
+    import keras_hub
+
+    n = len(devices)
+    if n == 1 and mesh in ("none", None):
+        return None, 1
+    if mesh == "data":
+        dmesh = keras.distribution.DeviceMesh((n,), ["batch"], devices)
+        return keras.distribution.DataParallel(device_mesh=dmesh), n
+    b, m = (1, n) if mesh == "model" else map(int, mesh.split("x"))
+    if b * m != n:
+        raise SystemExit(f"--mesh {mesh}: {b * m} devices, not {n}")
+    dmesh = keras.distribution.DeviceMesh((b, m), ["batch", "model"], devices)
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(dmesh)
+    if layout == "kv_replicated":
+        # Gemma-2B has one key/value head: keras_hub's map splits the kernels' head axis
+        # (size 1) over "model", which no sharding can do (IndivisibleError). Keep the
+        # query's layout; the key/value kernels are split over "batch" on the hidden axis
+        # and replicated over "model" (as tensor parallelism does with multi-query heads).
+        query_key = "decoder_block.*attention.*(query|key|value).kernel"
+        del layout_map[query_key]
+        layout_map["decoder_block.*attention.*query.kernel"] = ("model", "batch", None)
+        layout_map["decoder_block.*attention.*(key|value).kernel"] = (None, "batch", None)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"), b
+
+
+def _causal_lm(keras_hub, kwargs, dtype=None):
+    backbone = keras_hub.models.GemmaBackbone(**kwargs, dtype=dtype)
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def keras_mp_plan(dtype: str, num_layers: int) -> tuple:
+    """`(causal_lm_config, {variable path: dtype})` of `kmp.convert(model, dtype)` for a
+    twin of the model with `num_layers` decoder blocks at tiny sizes (built for real)."""
+    import keras
+    import keras_hub
+
+    import keras_mp as kmp
+
+    keras.config.set_dtype_policy("float32")
+    twin = _causal_lm(keras_hub, dict(TINY, num_layers=num_layers))
+    converted = kmp.convert(twin, kmp.Policy(dtype), check=None)
+    dtypes = {v.path: v.dtype for v in converted.variables}
+    return converted.get_config(), dtypes
+
+
+def _forget_uninitialised() -> None:
+    """Keras initialises the variables a `StatelessScope` left uninitialised when the next
+    outermost one closes (`model.train_step` opens one): it must not, they are abstract."""
+    from keras.src.backend.common import global_state
+
+    global_state.set_global_attribute("uninitialized_variables", [])
+
+
+class _entered:
+    """Enters several context managers, leaves them in reverse order."""
+
+    def __init__(self, scopes):
+        self.scopes = scopes
+
+    def __enter__(self):
+        for scope in self.scopes:
+            scope.__enter__()
+
+    def __exit__(self, *exc):
+        for scope in reversed(self.scopes):
+            scope.__exit__(*exc)
+
+
+def build(policy: str, kwargs: dict, distribution, remat: bool):
+    """The compiled (Keras `compile`, not XLA) model and built optimizer, all variables
+    unmaterialised. Returns `(model, forced)`: `forced` counts variables whose dtype was
+    set from the keras_mp twin's."""
+    import keras
+    import keras_hub
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    import keras_mp as kmp
+
+    dtype = POLICIES[policy]
+    stock = policy.startswith("stock_")
+    config, dtypes = (None, {}) if stock else keras_mp_plan(dtype, kwargs["num_layers"])
+    keras.config.set_dtype_policy(dtype if stock else "float32")
+    keras.utils.set_random_seed(0)
+
+    def scopes(with_remat=True):
+        found = [] if distribution is None else [distribution.scope()]
+        if remat and with_remat:
+            names = [f"decoder_block_{i}" for i in range(kwargs["num_layers"])]
+            found.append(keras.RematScope(mode="list_of_layers", layer_names=names))
+        return found
+
+    # Optimizers and Keras' compile create small variables with values (the step counter,
+    # the learning rate, the loss tracker): made outside the scopes, on the host, and
+    # given as replicated arguments. Tasks compile themselves in __init__: held off.
+    adamw = keras.optimizers.AdamW(1e-5)
+    if dtype == "lean_bfloat16":
+        optimizer = kmp.LeanOptimizer(adamw, shard_over_data=policy == "lean_split")
+    else:
+        optimizer = adamw
+    if stock:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
+    forced = 0
+    task = keras_hub.models.GemmaCausalLM
+    compile_method = task.compile
+    with StatelessScope(initialize_variables=False), _entered(scopes()):
+        task.compile = lambda self, *args, **kwargs: None
+        try:
+            if stock:
+                model = _causal_lm(keras_hub, kwargs)
+            else:
+                config["backbone"]["config"].update(kwargs)
+                model = task.from_config(config)
+        finally:
+            task.compile = compile_method
+    _forget_uninitialised()
+    with _entered(scopes()):
+        for v in model.variables:
+            want = dtypes.get(v.path)
+            if not stock and want is None:
+                raise RuntimeError(f"no twin variable for {v.path}")
+            if not stock and v.dtype != want:
+                v._dtype = want  # unmaterialised: the dtype is only metadata
+                forced += 1
+            v._initialize_layout()
+    model.compile(optimizer=optimizer, loss=loss, weighted_metrics=[])
+    with StatelessScope(initialize_variables=False), _entered(scopes(with_remat=False)):
+        optimizer.build(model.trainable_variables)
+    _forget_uninitialised()
+    return model, forced
+
+
+def _hlo_cost(lowered) -> dict:
+    """XLA's cost analysis of the unoptimised HLO (what the program asks for, rematerialised
+    forward passes included; cuDNN attention custom calls count 0), by the CPU client (a
+    compile-only XLA:GPU client has none)."""
+    try:
+        cost = lowered.cost_analysis()
+    except NotImplementedError:
+        cost = None
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    if "flops" not in cost:
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        module = lowered._lowering.hlo().as_hlo_module()
+        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module) or {}
+    return cost
+
+
+def _model_parallel():
+    import keras
+
+    return keras.distribution.ModelParallel
+
+
+def _sharding(variable, default):
+    import keras
+
+    layout = getattr(variable, "_layout", None)
+    if layout is None:
+        return default
+    if isinstance(layout, keras.distribution.TensorLayout):
+        return layout.backend_layout
+    return layout
+
+
+def _shard_bytes(struct) -> int:
+    import numpy as np
+
+    shape = struct.sharding.shard_shape(struct.shape)
+    return math.prod(shape) * np.dtype(struct.dtype).itemsize
+
+
+def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from xla_memory import _analysis
+
+    base, _, suffix = policy.partition("@")
+    if base not in POLICIES:
+        raise SystemExit(f"unknown policy {base!r}; one of {sorted(POLICIES)}")
+    start = time.perf_counter()
+    distribution, batch = distribution_for(mesh, devices, layout)
+    model, forced = build(base, kwargs, distribution, suffix == "remat")
+    if distribution is None:
+        default = jax.sharding.SingleDeviceSharding(devices[0])
+        data_sharding = default
+    else:
+        backend_mesh = distribution.device_mesh.backend_mesh
+        default = jax.sharding.NamedSharding(backend_mesh, jax.sharding.PartitionSpec())
+        data_sharding = distribution.get_data_layout((batch, SEQUENCE)).backend_layout
+
+    def abstract(variables):
+        return [
+            jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=_sharding(v, default))
+            for v in variables
+        ]
+
+    state = (
+        abstract(model.trainable_variables),
+        abstract(model.non_trainable_variables),
+        abstract(model.optimizer.variables),
+        abstract(model.metrics_variables),
+    )
+    tokens = jax.ShapeDtypeStruct((batch, SEQUENCE), jnp.int32, sharding=data_sharding)
+    x = {"token_ids": tokens, "padding_mask": tokens}
+    data = (x, tokens, None)
+    weights = sum(_shard_bytes(s) for s in state[0] + state[1])
+    optimizer_bytes = sum(_shard_bytes(s) for s in state[2])
+    params = sum(math.prod(v.shape) for v in model.trainable_variables)
+    # As Keras' trainer jits the step under a distribution: the new state keeps the
+    # variables' shardings (out_shardings), so the donated buffers are reused.
+    out_shardings = None
+    if distribution is not None:
+        out_shardings = (None, jax.tree.map(lambda s: s.sharding, state))
+    step = jax.jit(model.train_step, donate_argnums=0, out_shardings=out_shardings)
+    lowered = step.lower(state, data)
+    hlo_cost = _hlo_cost(lowered)
+    compiled = lowered.compile()
+    analysis = _analysis(compiled)
+    record = {
+        "kind": "gemma_step",
+        "model": "gemma_2b" if kwargs == GEMMA_2B else "gemma_tiny",
+        "backbone_kwargs": kwargs,
+        "parameters": int(params),
+        "sequence": SEQUENCE,
+        "batch": batch,
+        "policy": base,
+        "remat": "RematScope(list_of_layers: decoder blocks)" if suffix == "remat" else None,
+        "devices": len(devices),
+        "mesh": mesh if distribution is not None else None,
+        "distribution": type(distribution).__name__ if distribution is not None else None,
+        "layout_map": layout if isinstance(distribution, _model_parallel()) else None,
+        "optimizer": type(model.optimizer).__name__,
+        "dtypes_set_from_twin": forced,
+        "weights_gib_per_device": round(weights / GIB, 3),
+        "optimizer_gib_per_device": round(optimizer_bytes / GIB, 3),
+        "weights_and_state_gib_per_device": round((weights + optimizer_bytes) / GIB, 3),
+        "hlo_flops": float(hlo_cost["flops"]) if "flops" in hlo_cost else None,
+        **analysis,
+        "compile_s": round(time.perf_counter() - start, 1),
+    }
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policies", default="stock_mixed_bfloat16,keras_mp_mixed_bfloat16,lean")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument(
+        "--mesh", default=None, help="model (default with --devices > 1), data, BxM"
+    )
+    parser.add_argument(
+        "--layout-map",
+        choices=("kv_replicated", "keras_hub"),
+        default="kv_replicated",
+        help="ModelParallel: keras_hub's GemmaBackbone.get_layout_map as it is, or with the "
+        "single key/value head's kernels replicated over 'model' (default)",
+    )
+    parser.add_argument("--target", default=None, help="h200 or a .txtpb (XLA:GPU, compile only)")
+    parser.add_argument(
+        "--flash",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="attention: on = as keras_hub and Keras decide on an H200 (cuDNN flash "
+        "attention through ops.dot_product_attention; default with --target), off / auto = "
+        "as they decide on this host (keras_hub's einsum attention on a CPU)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="a small model, to check the pipeline")
+    parser.add_argument("--out", default=None, help="append JSON lines to this file")
+    args = parser.parse_args(argv)
+    if args.target:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # the host runs Keras; XLA:GPU only compiles
+    import jax
+    import keras
+    from xla_memory import _answer_flash_attention_as_a_gpu
+
+    if keras.backend.backend() != "jax":
+        print("gemma_memory.py needs KERAS_BACKEND=jax", file=sys.stderr)
+        return 2
+    flash = args.flash or ("on" if args.target else "auto")
+    if flash == "on":
+        _answer_flash_attention_as_a_gpu()
+        # keras_hub's Gemma attention takes the fused op only where jax.devices() has a GPU
+        from keras_hub.src.models.gemma import gemma_attention
+
+        gemma_attention.running_on_gpu = lambda: True
+    mesh = args.mesh or ("model" if args.devices > 1 else "none")
+    devices = devices_for(args.target, args.devices)
+    kwargs = TINY if args.tiny else GEMMA_2B
+    status = 0
+    for policy in args.policies.split(","):
+        try:
+            record = step_record(policy, kwargs, devices, mesh, args.layout_map)
+        except Exception as error:  # a failed configuration is recorded, with why
+            status = 1
+            record = {
+                "kind": "gemma_step",
+                "policy": policy,
+                "devices": args.devices,
+                "mesh": mesh,
+                "layout_map": args.layout_map if args.devices > 1 else None,
+                "model": "gemma_tiny" if args.tiny else "gemma_2b",
+                "error": f"{type(error).__name__}: {error}"[:2000],
+            }
+        record.update(
+            device=(
+                f"{args.target} (compile only: {devices[0].device_kind})"
+                if args.target
+                else str(devices[0].device_kind)
+            ),
+            flash=flash,
+            jax=jax.__version__,
+            keras=keras.__version__,
+        )
+        line = json.dumps(record)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
