@@ -13,9 +13,10 @@ carry their own float16 policies. Keras' scaler has no bounds: its scale can gro
 - a stock `keras.optimizers.LossScaleOptimizer` passed explicitly is kept, with a warning
   saying what it lacks.
 
-Under the `"lean_bfloat16"` policy (bfloat16 weights), a plain Adam, AdamW or SGD becomes
-`kmp.LeanOptimizer` (compensated float32 updates, 8-bit moments); an optimizer whose
-state it cannot keep raises a `ValueError` naming the supported ones.
+Under the `"lean_bfloat16"` policy (bfloat16 weights), a plain Keras optimizer becomes
+`kmp.LeanOptimizer` (compensated float32 updates, 8-bit moments): Adam, AdamW and SGD on
+its fused path, any other (`"rmsprop"`, Adafactor, Lion...) through its own update on the
+decoded state; a wrapper (`LossScaleOptimizer`, `MultiOptimizer`) raises a `ValueError`.
 
 `compile(..., auto_scale_loss=False)` turns all of it off, as in Keras. A model under a
 plain Keras `"mixed_float16"` with no keras_mp policy in sight keeps Keras' own wrapping.
@@ -137,7 +138,7 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
     if isinstance(opt, keras.optimizers.LossScaleOptimizer) and wants_lean_optimizer(model):
         raise ValueError(
             f"Model {model.name!r} stores bfloat16 weights (policy 'lean_bfloat16'), which "
-            "need no loss scaling: compile it with the inner optimizer (Adam, AdamW or SGD; "
+            "need no loss scaling: compile it with the inner optimizer (any Keras optimizer; "
             "it becomes kmp.LeanOptimizer) instead of a LossScaleOptimizer."
         )
     if not arguments.get("auto_scale_loss", True):
@@ -149,7 +150,7 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
         from keras_mp.model_copy import float32_statistics
 
         with DotNotTrackScope():
-            model.optimizer = LeanOptimizer(opt)  # names what it supports otherwise
+            model.optimizer = LeanOptimizer(opt)  # any plain Keras optimizer
         # Normalization statistics made in bfloat16 (layers built under the global policy)
         # would stall: their averages move by less than bfloat16's precision.
         float32_statistics(model)

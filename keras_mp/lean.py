@@ -3,7 +3,9 @@
 `LeanOptimizer` runs Adam, AdamW or SGD (with or without momentum) with the update
 arithmetic in float32 inside the train step, and stores what persists between steps
 compactly (`keras_mp.lean_codecs`): bfloat16 weights with an 8-bit Kahan compensation
-buffer, and block-wise 8-bit moments. Under the `"lean_bfloat16"` policy a model's
+buffer, and block-wise 8-bit moments. Any other Keras optimizer (RMSprop, Adafactor,
+Lion, Muon...) keeps the same storage and runs its own update on the decoded float32
+state (`keras_mp.lean_general`). Under the `"lean_bfloat16"` policy a model's
 trainable weights are bfloat16 (the keep-list's layers keep float32 weights) and
 `compile(optimizer="adamw")` gets a `LeanOptimizer` by itself (`keras_mp.autoscale`).
 Float32 weights are updated exactly; only their moments are compressed.
@@ -19,7 +21,7 @@ import keras
 from keras import ops
 from keras.src.utils import tracking
 
-from keras_mp import lean_codecs, lean_sharding
+from keras_mp import lean_codecs, lean_general, lean_sharding
 
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED", "lean_rule"]
 
@@ -57,7 +59,13 @@ def _check_choice(name: str, value, choices) -> None:
 
 @keras.saving.register_keras_serializable(package="keras_mp")
 class LeanOptimizer(keras.optimizers.Optimizer):
-    """Adam, AdamW or SGD with a compact persistent state and float32 update arithmetic.
+    """Any Keras optimizer with a compact persistent state and float32 update arithmetic.
+
+    Adam, AdamW and SGD run a fused rule of their own (below); every other optimizer
+    (RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion, Adafactor, Lamb, Muon, Adam
+    with amsgrad, a subclass) takes the general path (`keras_mp.lean_general`): the same
+    weight storage, its slots shaped like the weight stored as the moments are, its other
+    slots in float32, and its own `update_step` run on the decoded float32 values.
 
     Each step the gradients are taken to float32, clipped there (the global norm is a
     float32 reduction), and every update is computed in float32 from the decoded weight
@@ -82,8 +90,9 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     accumulators are float32 (each adds 4 bytes a parameter).
 
     Args:
-        inner_optimizer: a `keras.optimizers.Adam`, `AdamW` or `SGD` (not a subclass;
-            `amsgrad` is not supported).
+        inner_optimizer: a Keras optimizer (not a `LossScaleOptimizer` or
+            `MultiOptimizer`). Exactly `Adam` (without amsgrad), `AdamW` and `SGD` take
+            the fused path.
         rounding: how bfloat16 weights absorb updates: `"kahan"` (default), `"kahan16"`
             or `"stochastic"`.
         moments: storage of the moments: `"int8"` (default), `"bfloat16"`, `"float32"`.
@@ -122,18 +131,13 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 "LeanOptimizer: `inner_optimizer` is already a LeanOptimizer; pass the "
                 "Adam/AdamW/SGD it was made from."
             )
+        lean_general.check(inner_optimizer)
         kind = SUPPORTED.get(type(inner_optimizer))
-        if kind is None:
-            raise ValueError(
-                "LeanOptimizer keeps a compact state for keras.optimizers.Adam, AdamW and SGD "
-                f"(with or without momentum); got {type(inner_optimizer).__name__}. For other "
-                "optimizers use the 'mixed_bfloat16' policy (float32 weights and state)."
-            )
-        if getattr(inner_optimizer, "amsgrad", False):
-            raise ValueError(
-                "LeanOptimizer: Adam with amsgrad=True is not supported (its third moment "
-                "is not compressed); use amsgrad=False or the 'mixed_bfloat16' policy."
-            )
+        general = None
+        if kind is None or getattr(inner_optimizer, "amsgrad", False):
+            # any other optimizer: its own update on the decoded state (lean_general)
+            general = lean_general.GeneralState(inner_optimizer)
+            kind = general.kind
         _check_choice("rounding", rounding, lean_codecs.ROUNDINGS)
         _check_choice("moments", moments, lean_codecs.MOMENT_FORMATS)
         for arg, value in (("block_size", block_size), ("min_quantized_size", min_quantized_size)):
@@ -147,6 +151,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         base = {a: getattr(inner_optimizer, a) for a in _BASE_ARGS}
         super().__init__(learning_rate=rate, name=name or f"lean_{kind}", **base, **kwargs)
         self.kind = kind
+        self._general = general  # a plain object: neither tracked nor saved
         self.rounding = rounding
         self.moments = moments
         self.block_size = block_size
@@ -166,6 +171,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             if hasattr(inner_optimizer, attr):
                 setattr(self, attr, getattr(inner_optimizer, attr))
 
+    @property
+    def general(self) -> bool:
+        """Whether the optimizer runs the general path (its own update, decoded state)."""
+        return self._general is not None
+
     # -- state -----------------------------------------------------------------------
 
     def _moment_format(self, variable) -> str:
@@ -176,8 +186,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             return "float32"
         return self.moments
 
-    def _add_moment(self, variable, name: str, place, blocks) -> tuple:
+    def _add_moment(self, variable, name: str, place, blocks, initial=None) -> tuple:
+        """A moment's storage; `initial`: a callable of the format that gives the
+        initial `(codes, scales)` (default: zeros)."""
         fmt = self._moment_format(variable)
+        initial = initial(fmt) if initial is not None else (None, None)
         codes_shape, scales_shape = lean_codecs.moment_shapes(variable.shape, fmt, blocks)
         dtype = {"int8": "uint8", "bfloat16": "bfloat16", "float32": "float32"}[fmt]
         prefix = variable.path.replace("/", "_")
@@ -186,12 +199,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         else:
             layouts = lean_sharding.codes_layouts(place)
         codes = self.add_variable(
-            codes_shape, dtype=dtype, name=f"{prefix}_{name}", layout=layouts[0]
+            codes_shape, dtype=dtype, name=f"{prefix}_{name}", layout=layouts[0],
+            initializer=_constant(initial[0]),
         )
         scales = None
         if scales_shape is not None:
             scales = self.add_variable(
-                scales_shape, dtype="float32", name=f"{prefix}_{name}_scale", layout=layouts[1]
+                scales_shape, dtype="float32", name=f"{prefix}_{name}_scale", layout=layouts[1],
+                initializer=_constant(initial[1]),
             )
         return fmt, codes, scales
 
@@ -213,12 +228,16 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                     name=variable.path.replace("/", "_") + "_compensation",
                     layout=lean_sharding.state_layout(place, variable.shape),
                 )
-            if self.kind in ("adam", "adamw"):
+            if self._general is not None:
+                pass  # the general path adds its slots below
+            elif self.kind in ("adam", "adamw"):
                 slot["m"] = self._add_moment(variable, "momentum", place, blocks)
                 slot["v"] = self._add_moment(variable, "velocity", place, blocks)
             elif self.momentum > 0:
                 slot["m"] = self._add_moment(variable, "momentum", place, blocks)
             self._slots.append(slot)
+        if self._general is not None:
+            self._general.build(self, var_list)
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         """EMA averages and gradient accumulators are float32 whatever the weight's dtype."""
@@ -281,6 +300,12 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             self.assign(target, new[name])
 
     def update_step(self, gradient, variable, learning_rate):
+        if self._general is not None:
+            raise NotImplementedError(
+                f"LeanOptimizer({self.kind}): the general path updates all variables at "
+                "once; it does not run under a tf.distribute strategy (Adam, AdamW and SGD "
+                "do)."
+            )
         static, values, writes = self._inputs(gradient, variable, learning_rate)
         self._write(self._rule_for(static)(values), writes)
 
@@ -290,6 +315,13 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         computation, each large one in its own (the per-launch cost matters for small
         tensors; large ones run faster as separate computations); elsewhere Keras'
         per-variable path (`update_step`)."""
+        if self._general is not None and grads:
+            if keras.backend.backend() == "tensorflow":
+                import tensorflow as tf
+
+                if tf.distribute.has_strategy():
+                    return super()._backend_update_step(grads, trainable_variables, learning_rate)
+            return self._general.apply(self, grads, trainable_variables, learning_rate)
         if keras.backend.backend() != "tensorflow" or not grads:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
         import tensorflow as tf
@@ -382,6 +414,22 @@ class LeanOptimizer(keras.optimizers.Optimizer):
 
     def get_config(self):
         config = super().get_config()
+        if self._general is not None:
+            inner_config = dict(self._general.serialized)
+            inner_config["config"] = {
+                **inner_config["config"], "learning_rate": config["learning_rate"]
+            }
+            config.update(
+                {
+                    "optimizer": inner_config,
+                    "rounding": self.rounding,
+                    "moments": self.moments,
+                    "block_size": self.block_size,
+                    "min_quantized_size": self.min_quantized_size,
+                    "shard_over_data": self.shard_over_data,
+                }
+            )
+            return config
         inner = {
             "adam": ("beta_1", "beta_2", "epsilon"),
             "adamw": ("beta_1", "beta_2", "epsilon"),
@@ -412,6 +460,9 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             if k in config
         }
         kind = config.pop("optimizer")
+        if isinstance(kind, dict):  # the general path: the optimizer's own config
+            inner = keras.optimizers.deserialize(kind, custom_objects=custom_objects)
+            return cls(inner, **own)
         rate = config.get("learning_rate")
         if isinstance(rate, dict):
             config["learning_rate"] = keras.saving.deserialize_keras_object(
@@ -535,6 +586,13 @@ def _read(variable):
 
         return tf.convert_to_tensor(variable)  # a read; Keras' passes variables through
     return ops.convert_to_tensor(variable)
+
+
+def _constant(value):
+    """An initializer giving `value` (None: zeros)."""
+    if value is None:
+        return "zeros"
+    return lambda shape, dtype=None: ops.cast(value, dtype)
 
 
 def _to_float32(g):
