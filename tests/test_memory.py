@@ -1,6 +1,7 @@
 """kmp.state_bytes: what it counts, on plain models and on a GAN's container."""
 
 import keras
+import numpy as np
 import pytest
 
 import keras_mp as kmp
@@ -60,5 +61,9 @@ def test_a_wrapper_and_its_inner_optimizer_count_once():
     )
     opt = kmp.LossScaleOptimizer(keras.optimizers.Adam())
     alone = kmp.state_bytes(model, opt)
-    assert alone.optimizer == 2 * 36 * 4 + 8 + 4  # two float32 moments, iteration, lr
+    inner = opt.inner_optimizer
+    counters = sum(  # the step counter (int64 on TensorFlow, int32 on JAX) and the rate
+        np.dtype(v.dtype).itemsize for v in (inner.iterations, inner._learning_rate)
+    )
+    assert alone.optimizer == 2 * 36 * 4 + counters  # two float32 moments, iteration, lr
     assert kmp.state_bytes(model, [opt, opt.inner_optimizer]) == alone
