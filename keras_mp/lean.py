@@ -414,38 +414,26 @@ class LeanOptimizer(keras.optimizers.Optimizer):
 
     def get_config(self):
         config = super().get_config()
+        own = {
+            "rounding": self.rounding,
+            "moments": self.moments,
+            "block_size": self.block_size,
+            "min_quantized_size": self.min_quantized_size,
+            "shard_over_data": self.shard_over_data,
+        }
         if self._general is not None:
             inner_config = dict(self._general.serialized)
             inner_config["config"] = {
                 **inner_config["config"], "learning_rate": config["learning_rate"]
             }
-            config.update(
-                {
-                    "optimizer": inner_config,
-                    "rounding": self.rounding,
-                    "moments": self.moments,
-                    "block_size": self.block_size,
-                    "min_quantized_size": self.min_quantized_size,
-                    "shard_over_data": self.shard_over_data,
-                }
-            )
+            config.update({"optimizer": inner_config, **own})
             return config
         inner = {
             "adam": ("beta_1", "beta_2", "epsilon"),
             "adamw": ("beta_1", "beta_2", "epsilon"),
             "sgd": ("momentum", "nesterov"),
         }[self.kind]
-        config.update(
-            {
-                "optimizer": self.kind,
-                **{k: getattr(self, k) for k in inner},
-                "rounding": self.rounding,
-                "moments": self.moments,
-                "block_size": self.block_size,
-                "min_quantized_size": self.min_quantized_size,
-                "shard_over_data": self.shard_over_data,
-            }
-        )
+        config.update({"optimizer": self.kind, **{k: getattr(self, k) for k in inner}, **own})
         return config
 
     @classmethod

@@ -175,20 +175,16 @@ def per_device_bytes(variables) -> dict:
         `{device: bytes}`; on a backend without device placement of shards (TensorFlow),
         `{"all": total bytes}`.
     """
+    from keras_mp.memory import variable_bytes
+
     out: dict = {}
     for variable in variables:
         value = variable.value
         shards = getattr(value, "addressable_shards", None)
         if shards is None:
-            out["all"] = out.get("all", 0) + int(math.prod(variable.shape)) * _itemsize(variable)
+            out["all"] = out.get("all", 0) + variable_bytes(variable)
             continue
         for shard in shards:
             out[shard.device] = out.get(shard.device, 0) + int(shard.data.nbytes)
     return out
 
-
-def _itemsize(variable) -> int:
-    import numpy as np
-
-    dtype = keras.backend.standardize_dtype(variable.dtype)
-    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize

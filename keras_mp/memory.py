@@ -14,7 +14,7 @@ import math
 import keras
 import numpy as np
 
-__all__ = ["StateBytes", "state_bytes"]
+__all__ = ["StateBytes", "state_bytes", "variable_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,8 @@ class StateBytes:
         )
 
 
-def _nbytes(variable) -> int:
+def variable_bytes(variable) -> int:
+    """Bytes of one variable's values (bfloat16: 2 a value)."""
     dtype = keras.backend.standardize_dtype(variable.dtype)
     itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
     return math.prod(variable.shape) * itemsize
@@ -136,7 +137,7 @@ def state_bytes(
     if not build:
         optimizers = [opt for opt in optimizers if opt.built]
     parameters = sum(math.prod(v.shape) for v in model.trainable_variables)
-    weights = sum(_nbytes(v) for v in model.variables)
+    weights = sum(variable_bytes(v) for v in model.variables)
     totals = [0, 0, 0]  # compensation, optimizer, scaler
     for opt in optimizers:
         for i, value in enumerate(_optimizer_bytes(model, opt)):
@@ -155,12 +156,12 @@ def _optimizer_bytes(model, optimizer) -> tuple:
     own = optimizer.variables
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and inner is not None:
         inner_ids = {id(v) for v in inner.variables}
-        scaler = sum(_nbytes(v) for v in own if id(v) not in inner_ids)
+        scaler = sum(variable_bytes(v) for v in own if id(v) not in inner_ids)
         own = inner.variables
         optimizer = inner
     for v in own:
         if isinstance(optimizer, LeanOptimizer) and v.name.endswith("_compensation"):
-            compensation += _nbytes(v)
+            compensation += variable_bytes(v)
         else:
-            opt_bytes += _nbytes(v)
+            opt_bytes += variable_bytes(v)
     return compensation, opt_bytes, scaler
