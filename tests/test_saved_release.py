@@ -1,0 +1,53 @@
+"""`.keras` files written by the previous release (0.1.0, before the package regroup) load.
+
+The files in tests/data/release_0_1_0/ were written by keras_mp 0.1.0 on TensorFlow (Keras
+3.15.1): a small attention model converted to `mixed_float16` (kmp.LossScaleOptimizer) and
+to `lean_bfloat16` (kmp.LeanOptimizer), each trained two epochs, then saved. Their configs
+name the old modules (`keras_mp.lean`, `keras_mp.callbacks`, ...); loading must find every
+class by its registered name, give the same predictions, the same dtype policy per layer and
+the same optimizer state, and train on.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp as kmp
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "release_0_1_0")
+with open(os.path.join(DATA, "expected.json")) as f:
+    EXPECTED = json.load(f)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 6, 8)).astype("float32")
+    y = rng.integers(0, 5, size=(16, 6)).astype("int32")
+    return x, y
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "lean_bfloat16"])
+@pytest.mark.parametrize("loader", [keras.saving.load_model, kmp.saving.load_model])
+def test_previous_release_file_loads_and_trains_on(policy, loader):
+    want = EXPECTED["models"][policy]
+    model = loader(os.path.join(DATA, f"{policy}.keras"))
+    x, y = _batch()
+
+    assert type(model.optimizer).__name__ == want["optimizer"]
+    assert {layer.name: layer.dtype_policy.name for layer in model.layers} == want["dtype_policies"]
+    np.testing.assert_allclose(
+        model.predict(x[:2], verbose=0), np.asarray(want["prediction"]), rtol=0.02, atol=0.01
+    )
+    saved = want["small_optimizer_variables"]
+    state = {v.path: np.asarray(keras.ops.convert_to_numpy(v), "float64") for v in model.optimizer.variables}
+    assert saved and set(saved) <= set(state)
+    for path, value in saved.items():
+        np.testing.assert_array_equal(state[path], np.asarray(value), err_msg=path)
+
+    before = [np.array(w) for w in model.get_weights()]
+    history = model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"][-1])
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
