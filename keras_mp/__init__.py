@@ -16,11 +16,10 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 
 import keras as _keras
 
-# `audit` is the function: it is bound after the module of the same name is imported.
 from keras_mp import (
     activations,
     autoscale,
-    callbacks,
+    conversion,
     fingerprint,
     float8,
     formats,
@@ -29,15 +28,14 @@ from keras_mp import (
     layers,
     lean,
     losses,
+    observe,
     optimizer_guard,
     saving,
 )
-from keras_mp.audit import AuditReport, audit
-from keras_mp.callbacks import LossScaleCollapseError
-from keras_mp.convert import convert, plan
-from keras_mp.lean import LeanOptimizer
+from keras_mp.conversion import convert, plan
+from keras_mp.lean import LeanOptimizer, state_bytes
 from keras_mp.loss_scale import LossScaleOptimizer
-from keras_mp.memory import state_bytes
+from keras_mp.observe import AuditReport, LossScaleCollapseError, audit, callbacks
 from keras_mp.policies import (
     DEFAULT_KEEP_FP32,
     Policy,
@@ -45,8 +43,7 @@ from keras_mp.policies import (
     set_global_policy,
 )
 from keras_mp.tf.export import export_saved_model  # imports tensorflow only when called
-
-__version__ = "0.1.0"
+from keras_mp.version import __version__
 
 autoscale.install()  # compile() under a keras_mp policy gets kmp.LossScaleOptimizer
 optimizer_guard.install()  # a plain optimizer on lean or float16 weights warns once
@@ -74,6 +71,8 @@ __all__ = [
     "export_saved_model",
     "saving",
     "callbacks",
+    "conversion",
+    "observe",
     "fingerprint",
     "hardware",
     "float8",

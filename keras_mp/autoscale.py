@@ -147,7 +147,7 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
     if isinstance(opt, LossScaleOptimizer):
         return
     if wants_lean_optimizer(model):
-        from keras_mp.model_copy import float32_statistics
+        from keras_mp.recast import float32_statistics
 
         with DotNotTrackScope():
             model.optimizer = LeanOptimizer(opt)  # any plain Keras optimizer

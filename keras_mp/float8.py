@@ -134,8 +134,9 @@ def _amax(amax_history, algo: str):
     return ops.max(amax_history, axis=0) if algo == "max" else amax_history[0]
 
 
-def compute_scale(amax_history, recipe: Float8Recipe | None = None,
-                  fp8_dtype: str = "float8_e4m3fn", scale=1.0):
+def compute_scale(
+    amax_history, recipe: Float8Recipe | None = None, fp8_dtype: str = "float8_e4m3fn", scale=1.0
+):
     """The recipe's FP8 scale for one tensor: `fp8_max / amax / 2**margin`.
 
     Args:
@@ -359,9 +360,12 @@ _ATTENTION_CLASSES = {
 }
 
 
-def apply_float8(model: keras.Model, recipe: Float8Recipe | None = None,
-                 exclude: Callable[[keras.layers.Layer], bool] | None = None,
-                 include_outputs: bool = False) -> keras.Model:
+def apply_float8(
+    model: keras.Model,
+    recipe: Float8Recipe | None = None,
+    exclude: Callable[[keras.layers.Layer], bool] | None = None,
+    include_outputs: bool = False,
+) -> keras.Model:
     """Makes a built model's `Dense` and `EinsumDense` layers train in FP8, in place.
 
     Every `keras.layers.Dense` and `keras.layers.EinsumDense` (exact classes, nested ones
@@ -416,14 +420,19 @@ def apply_float8(model: keras.Model, recipe: Float8Recipe | None = None,
         return not pinned and not (exclude and exclude(layer)) and layer.quantization_mode is None
 
     layers = list(model._flatten_layers(include_self=False))
-    in_attention = {id(s) for x in layers if isinstance(x, keras.layers.MultiHeadAttention)
-                    for s in x._flatten_layers(include_self=False)}
+    in_attention = {
+        id(s)
+        for x in layers
+        if isinstance(x, keras.layers.MultiHeadAttention)
+        for s in x._flatten_layers(include_self=False)
+    }
     for layer in layers:
         if not layer.built or not wanted(layer):
             continue
         if type(layer) in _ATTENTION_CLASSES:
-            names = tuple(s.name for s in layer._layers
-                          if type(s) is keras.layers.EinsumDense and wanted(s))
+            names = tuple(
+                s.name for s in layer._layers if type(s) is keras.layers.EinsumDense and wanted(s)
+            )
             if not names:
                 continue
             for sub in layer._layers:
@@ -482,11 +491,15 @@ def _fp8_devices() -> tuple[bool, str]:
     if slow:
         d = slow[0]
         cc = ".".join(map(str, d.compute_capability or ())) or "unknown"
-        return False, (f"{d.model or d.name} (compute capability {cc}) has no FP8 tensor "
-                       "cores (needs >= 8.9): FP8 runs emulated")
+        return False, (
+            f"{d.model or d.name} (compute capability {cc}) has no FP8 tensor "
+            "cores (needs >= 8.9): FP8 runs emulated"
+        )
     d = gpus[0]
-    return True, (f"{d.model or d.name} has FP8 tensor cores: expect FP8 GEMMs when compiled "
-                  "with XLA (jit_compile=True)")
+    return True, (
+        f"{d.model or d.name} has FP8 tensor cores: expect FP8 GEMMs when compiled "
+        "with XLA (jit_compile=True)"
+    )
 
 
 def float8_speedup_expected() -> bool:

@@ -441,9 +441,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         keras.optimizers.Optimizer.build(self, var_list)
 
     def _read_state(self) -> LossScaleState:
-        return LossScaleState(
-            **{f: getattr(self, a).value for f, a in _STATE_VARIABLES.items()}
-        )
+        return LossScaleState(**{f: getattr(self, a).value for f, a in _STATE_VARIABLES.items()})
 
     def _write_state(self, state: LossScaleState) -> None:
         for f, a in _STATE_VARIABLES.items():
@@ -576,8 +574,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             def apply_fn():
                 def replica_apply(grads, tvs):
                     scale = self.dynamic_scale.value
-                    unscaled = self._unscale(
-                        grads, tvs or self._trainable_variables, scale, scaled)
+                    unscaled = self._unscale(grads, tvs or self._trainable_variables, scale, scaled)
                     self.inner_optimizer.apply(unscaled, trainable_variables=tvs)
 
                 distribution.extended.call_for_each_replica(
@@ -618,9 +615,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         weights = list(weights)
         if self.built and tuple(self.nonfinite_mask.shape) == (0,):
-            index = next(
-                i for i, v in enumerate(self._variables) if v is self.nonfinite_mask
-            )
+            index = next(i for i, v in enumerate(self._variables) if v is self.nonfinite_mask)
             if index < len(weights) and np.shape(weights[index]) != (0,):
                 weights[index] = np.zeros((0,), "int32")
         super().set_weights(weights)

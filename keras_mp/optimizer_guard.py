@@ -102,9 +102,7 @@ def plain_optimizer_message(optimizer, needs: str) -> str:
 def _check(optimizer) -> None:
     if getattr(optimizer, "_keras_mp_checked", False) or getattr(optimizer, _EXEMPT, False):
         return
-    from keras_mp.lean import LeanOptimizer
-
-    if isinstance(optimizer, (LeanOptimizer, keras.optimizers.LossScaleOptimizer)):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return
     variables = getattr(optimizer, "_trainable_variables", None) or []
     if not variables:

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 
 from keras_mp import keep_list
-from keras_mp._quiet import ignoring
+from keras_mp.quiet import ignoring
 
 __all__ = [
     "DEFAULT_KEEP_FP32",
@@ -141,9 +141,7 @@ class Policy(keras.DTypePolicy):
 
             self.float8_recipe = as_recipe(float8_recipe)
         elif float8_recipe is not None:
-            raise ValueError(
-                f"`float8_recipe` applies only to the 'float8' policy, not {name!r}."
-            )
+            raise ValueError(f"`float8_recipe` applies only to the 'float8' policy, not {name!r}.")
         self._warn_if_pure()
 
     def _parse_name(self, name):

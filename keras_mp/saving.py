@@ -81,14 +81,14 @@ def _check_archive(filepath: str, custom_objects: dict | None) -> dict | None:
             continue
         package = name.split(">", 1)[0]
         if package == "keras_mp":
-            import keras_mp
+            from keras_mp.version import __version__
 
             known = sorted(
                 n for n in keras.saving.get_custom_objects() if n.startswith("keras_mp>")
             )
             raise ValueError(
                 f"{filepath!r} uses the keras_mp object {name!r} (at {where}), which "
-                f"keras_mp {keras_mp.__version__} does not define. It was saved by another "
+                f"keras_mp {__version__} does not define. It was saved by another "
                 f"keras_mp version or with a modified config. Known keras_mp objects: {known}."
             )
         raise ValueError(
@@ -198,7 +198,7 @@ def reapply_plan(model: keras.Model) -> bool:
         True if the model was made by `kmp.convert` and the plan was applied.
     """
     from keras_mp import keep_list, policies
-    from keras_mp.convert import apply_plan, saved_by_a_graph
+    from keras_mp.conversion.converter import apply_plan, saved_by_a_graph
 
     maps = [
         x.dtype_policy
@@ -218,8 +218,10 @@ def reapply_plan(model: keras.Model) -> bool:
         and not isinstance(x, keras.layers.InputLayer)
         # A layer neither in the map nor in a graph's config got the global policy from a
         # model that does not pass its dtype on (keras_hub's SmolLM3): not a saved pin.
-        and (isinstance(x.dtype_policy, keras.dtype_policies.DTypePolicyMap)
-             or saved_by_a_graph(x, parents, model))
+        and (
+            isinstance(x.dtype_policy, keras.dtype_policies.DTypePolicyMap)
+            or saved_by_a_graph(x, parents, model)
+        )
     ]
     # A pin of a layer's own math only (the run check's, calibration's tight pins) saved
     # its sublayers' low policies: it stays alone, so that sublayers without a path yet

@@ -35,6 +35,7 @@ SMOKE=(
   tests/test_fingerprint.py::test_diff_errors
   tests/test_formats.py
   tests/test_hardware.py
+  tests/test_layout.py
   tests/test_lean.py::test_float32_weights_and_moments_match_keras
   tests/test_lean.py::test_save_load_and_resume_bit_identical
   tests/test_lean.py::test_lean_state_bytes

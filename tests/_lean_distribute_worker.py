@@ -159,7 +159,7 @@ def run_multiworker():
 
 
 def jax_train(keras, kmp, distribution, policy="lean_bfloat16", shard=False, process=None):
-    from keras_mp import lean_sharding
+    from keras_mp.lean import sharding as lean_sharding
 
     keras.distribution.set_distribution(distribution)
     try:

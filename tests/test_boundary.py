@@ -1,12 +1,12 @@
-"""A layer pinned alone: its low sublayers hand it float32 (keras_mp._boundary). The loaded
-keras_hub case is tests/test_calibrate.py's T5Gemma test."""
+"""A layer pinned alone: its low sublayers hand it float32 (keras_mp.conversion.boundary).
+The loaded keras_hub case is tests/test_calibrate.py's T5Gemma test."""
 
 import keras
 import numpy as np
 import pytest
 
 import keras_mp as kmp
-from keras_mp._boundary import casts_to
+from keras_mp.conversion.boundary import casts_to
 
 
 @keras.saving.register_keras_serializable(package="keras_mp_tests")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-from keras_mp import calibrate
 from keras_mp.cli import overflow
+from keras_mp.conversion import calibration as calibrate
 
 RNG = np.random.default_rng(0)
 ENC = RNG.integers(0, 64, (256, 16)).astype("int32")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-from keras_mp.callbacks import CollapseGuard, LossScaleMonitor, NonFiniteGuard
+from keras_mp.observe.callbacks import CollapseGuard, LossScaleMonitor, NonFiniteGuard
 
 
 class SqrtGain(keras.layers.Layer):
@@ -227,7 +227,7 @@ def test_bad_arguments_and_configs():
 def test_scale_callbacks_stand_aside_where_no_loss_scaling_is_needed(policy, caplog):
     # Users switch precision with one flag and keep their callbacks: under a policy that
     # needs no loss scaling the scale callbacks add nothing, say why once, and never fail.
-    from keras_mp import _telemetry
+    from keras_mp.observe import telemetry as _telemetry
 
     _telemetry._said.clear()
     kmp.set_global_policy(policy)

@@ -18,7 +18,7 @@ import pytest
 
 import keras_mp as kmp
 from keras_mp import fingerprint
-from keras_mp._determinism import XLA_DETERMINISM_FLAGS
+from keras_mp.hardware.determinism import XLA_DETERMINISM_FLAGS
 
 BACKEND = keras.backend.backend()
 POLICY = "mixed_float16" if BACKEND == "tensorflow" else "mixed_bfloat16"

@@ -6,7 +6,7 @@ import keras
 import pytest
 
 import keras_mp as kmp
-from keras_mp.hardware import Device, _cpu_device, _gpu_device, cpu_features, recommend
+from keras_mp.hardware.capabilities import Device, _cpu_device, _gpu_device, cpu_features, recommend
 
 SAPPHIRE_RAPIDS = """processor\t: 0
 vendor_id\t: GenuineIntel

@@ -9,7 +9,7 @@ import pytest
 from keras import ops
 
 import keras_mp as kmp
-from keras_mp import lean_codecs as codecs
+from keras_mp.lean import codecs
 
 BACKEND = keras.backend.backend()
 

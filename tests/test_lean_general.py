@@ -6,7 +6,7 @@ import pytest
 from keras import ops
 
 import keras_mp as kmp
-from keras_mp import lean_general
+from keras_mp.lean import general as lean_general
 
 
 def np_(x):

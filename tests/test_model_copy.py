@@ -1,10 +1,10 @@
-"""keras_mp.model_copy: copying models as objects, and weights carried by identity."""
+"""keras_mp.conversion.model_copy: copying models as objects, and weights carried by identity."""
 
 import keras
 import numpy as np
 import pytest
 
-from keras_mp import model_copy
+from keras_mp.conversion import model_copy
 
 
 def _np(v):

@@ -1,5 +1,5 @@
 """The run check: convert runs the converted model and pins the layers that cannot run in
-the compute dtype (keras_mp._runcheck)."""
+the compute dtype (keras_mp.conversion.runcheck)."""
 
 import os
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-from keras_mp import _trial
+from keras_mp.conversion import trial as _trial
 
 
 @keras.saving.register_keras_serializable(package="keras_mp_tests")

@@ -42,7 +42,10 @@ def test_previous_release_file_loads_and_trains_on(policy, loader):
         model.predict(x[:2], verbose=0), np.asarray(want["prediction"]), rtol=0.02, atol=0.01
     )
     saved = want["small_optimizer_variables"]
-    state = {v.path: np.asarray(keras.ops.convert_to_numpy(v), "float64") for v in model.optimizer.variables}
+    state = {
+        v.path: np.asarray(keras.ops.convert_to_numpy(v), "float64")
+        for v in model.optimizer.variables
+    }
     assert saved and set(saved) <= set(state)
     for path, value in saved.items():
         np.testing.assert_array_equal(state[path], np.asarray(value), err_msg=path)

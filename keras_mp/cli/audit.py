@@ -123,7 +123,7 @@ def run(args) -> int:
     for module in ("layers", "losses", "callbacks"):  # register their objects for loading
         __import__(f"keras_mp.{module}")
     try:
-        from keras_mp.audit import audit
+        from keras_mp.observe.auditor import audit
     except ImportError as e:  # pragma: no cover
         raise ValueError(f"kmp.audit is not available in this installation ({e}).") from None
     con = console()
@@ -138,11 +138,13 @@ def run(args) -> int:
     if args.data is None:
         con.print("note: no --data given: random inputs, forward checks only.")
     con.print(str(report), markup=False, soft_wrap=True)
-    con.print(verdict(report, args.model, forward_only=args.data is None), markup=False,
-              soft_wrap=True)
+    con.print(
+        verdict(report, args.model, forward_only=args.data is None), markup=False, soft_wrap=True
+    )
     if args.fix:
-        con.print(fix(model, data, args.policy, args.margin, args.fix), markup=False,
-                  soft_wrap=True)
+        con.print(
+            fix(model, data, args.policy, args.margin, args.fix), markup=False, soft_wrap=True
+        )
     return 0
 
 

@@ -19,8 +19,11 @@ __all__ = ["format_table", "progress_bars", "run", "verdict"]
 
 def _label(row: dict) -> str:
     jit = row.get("jit_compile")
-    xla = "" if jit is None else (" (XLA, remat)" if row.get("xla_remat") else
-                                  " (XLA)" if jit else " (no XLA)")
+    xla = (
+        ""
+        if jit is None
+        else (" (XLA, remat)" if row.get("xla_remat") else " (XLA)" if jit else " (no XLA)")
+    )
     return f"{row['policy']}{xla}"
 
 
@@ -33,8 +36,9 @@ def _ratio(value) -> str:
 
 
 def _memory(row: dict) -> str:
-    text = f"{row['peak_mem_gib']:.2f} GiB " + ("RSS" if row["peak_mem_kind"] == "host_rss"
-                                                 else "device")
+    text = f"{row['peak_mem_gib']:.2f} GiB " + (
+        "RSS" if row["peak_mem_kind"] == "host_rss" else "device"
+    )
     if "tensor_peak_mib" in row:
         text += f" (tensors {row['tensor_peak_mib']:.3g} MiB)"
     return text
@@ -54,8 +58,17 @@ def format_table(rows: list):
         "process RSS on CPUs (TensorFlow's tensor peak in parentheses).",
         caption_justify="left",
     )
-    for name in ("model", "policy", "step ms", "throughput", "TFLOP/s", "peak mem",
-                 "× FP32", "× best FP32", "× stock"):
+    for name in (
+        "model",
+        "policy",
+        "step ms",
+        "throughput",
+        "TFLOP/s",
+        "peak mem",
+        "× FP32",
+        "× best FP32",
+        "× stock",
+    ):
         table.add_column(name, justify="left" if name in ("model", "policy") else "right")
     for r in rows:
         if "error" in r:
@@ -88,13 +101,16 @@ def _model_verdict(model: str, rows: list) -> str:
     best = min(low, key=lambda r: r["step_ms_median"])
     gain = best.get("speedup_vs_best_fp32")
     if gain is None:
-        return (f"{model}: {_label(best)} is the fastest low-precision row, "
-                f"{best['step_ms_median']:.1f} ms/step (no float32 row to compare with)")
+        return (
+            f"{model}: {_label(best)} is the fastest low-precision row, "
+            f"{best['step_ms_median']:.1f} ms/step (no float32 row to compare with)"
+        )
     if gain <= 1:
         return f"{model}: no low-precision row beats float32 (best {_label(best)}, {gain:.2f}×)"
     stock = best.get("speedup_vs_stock")
-    vs_stock = f", {stock:.2f}× stock Keras" if stock and best["policy"].startswith(
-        "keras_mp_") else ""
+    vs_stock = (
+        f", {stock:.2f}× stock Keras" if stock and best["policy"].startswith("keras_mp_") else ""
+    )
     return f"{model}: {_label(best)} is {gain:.2f}× the best float32 step{vs_stock}"
 
 
@@ -136,7 +152,8 @@ def progress_bars(con, enabled: bool = True) -> Iterator:
         else:
             fp32 = row.get("speedup_vs_best_fp32")
             note = f"{row['step_ms_median']:.1f} ms/step" + (
-                f", {fp32:.2f}× best FP32" if fp32 else "")
+                f", {fp32:.2f}× best FP32" if fp32 else ""
+            )
         bars.update(current[-1], completed=1, note=note)
 
     with bars:

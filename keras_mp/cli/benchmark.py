@@ -132,9 +132,7 @@ def add_speedups(row: dict, earlier: list) -> dict:
             "float32": "float32",
             "float8": "stock_mixed_bfloat16",
             "lean_bfloat16": "stock_mixed_bfloat16",
-        }.get(
-            dtype, "stock_" + dtype
-        )
+        }.get(dtype, "stock_" + dtype)
         stock = next((r for r in same_jit if r["policy"] == stock_name), None)
         row["speedup_vs_stock"] = _speedup(stock, row)
     return row
@@ -272,8 +270,16 @@ def check(args: argparse.Namespace) -> tuple[list, list]:
 
 
 def _measure(args, model_name: str, policy: str) -> dict:
-    return run_one(model_name, policy, args.steps, args.warmup, args.jit, args.keep_fp32,
-                   args.intra_op, args.inter_op)
+    return run_one(
+        model_name,
+        policy,
+        args.steps,
+        args.warmup,
+        args.jit,
+        args.keep_fp32,
+        args.intra_op,
+        args.inter_op,
+    )
 
 
 def run_configurations(args: argparse.Namespace, on_start=None, on_row=None) -> list:

@@ -24,6 +24,7 @@ __all__ = [
     "make_sequences",
 ]
 
+
 class Dataset(NamedTuple):
     """A train/validation split of a classification task.
 

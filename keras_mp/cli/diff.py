@@ -41,7 +41,7 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints the report; returns 0 (identical/rounding) or 1 (diverged)."""
-    from keras_mp._fingerprint_diff import diff
+    from keras_mp.fingerprint.diff import diff
 
     report = diff(args.a, args.b)  # FingerprintError (a ValueError): one line, status 2
     print(json.dumps(report.to_dict(), indent=1) if args.json else report)

@@ -396,7 +396,7 @@ def run_one(
 
 
 def _state_bytes(model) -> float:
-    from keras_mp.memory import state_bytes
+    from keras_mp.lean.memory import state_bytes
 
     return state_bytes(model).per_parameter
 

@@ -62,7 +62,7 @@ def scale_to(model: keras.Model, x, layer_names, target: float) -> dict:
     Returns:
         `{name: scale factor}`.
     """
-    from keras_mp._probe import trace
+    from keras_mp.conversion.probe import trace
 
     factors = {}
     for name in layer_names:

@@ -223,8 +223,10 @@ def notes(rows: list[dict], cfg) -> list[str]:
                 f"{', '.join(r['fp32_pins'][:6])}{' ...' if len(r['fp32_pins']) > 6 else ''}."
             )
             continue
-        if r["policy"] == "mixed_float16" and r.get("skipped_steps") and not _finite(
-            r.get("val_loss")
+        if (
+            r["policy"] == "mixed_float16"
+            and r.get("skipped_steps")
+            and not _finite(r.get("val_loss"))
         ):
             out.append(
                 f"{r['label']}: activations pass float16's 65,504 (inf in the forward pass): "

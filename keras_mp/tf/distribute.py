@@ -44,8 +44,13 @@ __all__ = [
 
 # Dtypes TensorFlow's collective broadcast refuses, and the wider dtype that holds each
 # exactly (a cast there and back loses nothing).
-_WIDER = {"bfloat16": "float32", "uint8": "int32", "int8": "int32", "int16": "int32",
-          "uint16": "int32"}
+_WIDER = {
+    "bfloat16": "float32",
+    "uint8": "int32",
+    "int8": "int32",
+    "int16": "int32",
+    "uint16": "int32",
+}
 
 
 class UnsupportedJitCompileError(ValueError):

@@ -19,7 +19,7 @@ from typing import Any
 import keras
 from keras import ops, tree
 
-from keras_mp._quiet import ignoring
+from keras_mp.quiet import ignoring
 
 __all__ = ["export_saved_model", "float32_clone"]
 

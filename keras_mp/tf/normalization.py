@@ -136,9 +136,7 @@ def layer_norm_float32_math(
     def norm(x2d, *params):
         it = iter(params)
         g, b = (next(it) if here else None for here in present)
-        y, mean, rstd = _by_rows(
-            lambda xb: forward(xb, g, b), (x2d.dtype, f32, f32), rows, x2d
-        )
+        y, mean, rstd = _by_rows(lambda xb: forward(xb, g, b), (x2d.dtype, f32, f32), rows, x2d)
 
         def grad(upstream):
             dx, dgamma, dbeta = _by_rows(

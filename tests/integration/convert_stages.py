@@ -38,7 +38,7 @@ import keras
 import numpy as np
 
 import keras_mp as kmp
-from keras_mp.model_copy import copy_model, pair_variables
+from keras_mp.conversion.model_copy import copy_model, pair_variables
 
 __all__ = ["SAVE_TOLERANCE", "STAGES", "TOLERANCE", "float32", "relative_error", "run",
            "stock", "stock_error"]

@@ -32,7 +32,7 @@ other variable paths: sublayers without an explicit name are numbered by a globa
 counter ("conv2d" -> "conv2d_6"). DINOV2/DINOV3/HGNetV2/DFine change their paths on
 `from_config` only (sublayer names are prefixed with the model name). So paths are not
 identities across rebuilds: `kmp.convert` copies models as objects, and where it must
-rebuild one it pairs weights through the layer tree (`keras_mp.model_copy`).
+rebuild one it pairs weights through the layer tree (`keras_mp.conversion.model_copy`).
 
 Example:
 

@@ -19,8 +19,14 @@ __all__ = ["Source", "hash_all", "loss_entry", "replica_drift", "run_meta", "sum
 
 _SKETCH_CACHE: dict = {}
 _ENV_KEYS = (
-    "XLA_FLAGS", "TF_XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS", "TF_DETERMINISTIC_OPS",
-    "TF_CUDNN_DETERMINISTIC", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PYTHONHASHSEED",
+    "XLA_FLAGS",
+    "TF_XLA_FLAGS",
+    "TF_ENABLE_ONEDNN_OPTS",
+    "TF_DETERMINISTIC_OPS",
+    "TF_CUDNN_DETERMINISTIC",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "PYTHONHASHSEED",
 )
 
 
@@ -115,8 +121,8 @@ def _optimizer_meta(opt) -> dict | None:
 
 
 def run_meta(model, opt, every_n_steps: int, sketch_size: int) -> dict:
-    from keras_mp import __version__
-    from keras_mp._determinism import last_report
+    from keras_mp.hardware.determinism import last_report
+    from keras_mp.version import __version__
 
     backend = keras.backend.backend()
     versions = {"keras": keras.__version__, "keras_mp": __version__}
@@ -124,10 +130,13 @@ def run_meta(model, opt, every_n_steps: int, sketch_size: int) -> dict:
         mod = sys.modules.get(name)
         if mod is not None:
             versions[name] = getattr(mod, "__version__", "?")
-    compute = sorted({
-        str(layer.dtype_policy.compute_dtype) for layer in model._flatten_layers()
-        if layer.weights and getattr(layer, "dtype_policy", None) is not None
-    })
+    compute = sorted(
+        {
+            str(layer.dtype_policy.compute_dtype)
+            for layer in model._flatten_layers()
+            if layer.weights and getattr(layer, "dtype_policy", None) is not None
+        }
+    )
     meta = {
         "backend": backend,
         "versions": versions,
@@ -143,7 +152,6 @@ def run_meta(model, opt, every_n_steps: int, sketch_size: int) -> dict:
     report = last_report()
     meta["deterministic"] = None if report is None else {"seed": report.seed}
     if backend == "tensorflow":
-
         from tensorflow.python.framework import config as tf_config
 
         meta["tf_op_determinism"] = bool(tf_config.is_op_determinism_enabled())

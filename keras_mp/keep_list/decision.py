@@ -46,8 +46,8 @@ class Plan:
         notes: decisions worth knowing (lifted pins, output blocks left alone).
         float32: addresses (see `addresses`) of every layer that runs in float32: the
             pins and their sublayers.
-        calibration: the `keras_mp.calibrate.Calibration` behind a calibrated plan.
-        check: the `keras_mp._runcheck.RunCheck` of the run check, if it ran.
+        calibration: the `keras_mp.conversion.calibration.Calibration` behind a calibrated plan.
+        check: the `keras_mp.conversion.runcheck.RunCheck` of the run check, if it ran.
     """
 
     policy: Any
@@ -73,9 +73,7 @@ class Plan:
         }
 
     def __str__(self) -> str:
-        lines = [
-            f"Conversion to {self.policy_name!r}: {len(self.pins)} layer(s) pinned to float32"
-        ]
+        lines = [f"Conversion to {self.policy_name!r}: {len(self.pins)} layer(s) pinned to float32"]
         for p in self.pins:
             note = f"; {p.note}" if p.note else ""
             if p.cost is not None:

@@ -25,8 +25,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_mp._probe import first_nonfinite_layer
-from keras_mp._telemetry import (
+from keras_mp.conversion.probe import first_nonfinite_layer
+from keras_mp.observe.telemetry import (
     ScalarWriter,
     StepCounter,
     Telemetry,
@@ -142,9 +142,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.history["loss_scale"].append(scale)
         self.history["skipped_steps"].append(skipped)
         if self._writer is not None:
-            self._writer.write(
-                {"loss_scale": scale, "skipped_steps": skipped}, self._step0 + step
-            )
+            self._writer.write({"loss_scale": scale, "skipped_steps": skipped}, self._step0 + step)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.idle_reason:
@@ -184,6 +182,8 @@ _COLLAPSE_HINT = (
     "`kmp.audit(model, (x, y))`), pin them to float32 (`kmp.layers.Float32`), or train with "
     "'mixed_bfloat16'."
 )
+
+
 def recalibration_hint(model, data, margin: float = 4.0) -> str:
     """What calibrating on `data` would pin beyond the model's current float32 layers.
 
@@ -193,8 +193,8 @@ def recalibration_hint(model, data, margin: float = 4.0) -> str:
     Returns:
         A sentence, or "" when the model does not compute in float16 or nothing new is found.
     """
-    from keras_mp.calibrate import measure, range_pins
-    from keras_mp.convert import convert
+    from keras_mp.conversion.calibration import measure, range_pins
+    from keras_mp.conversion.converter import convert
 
     layers = [x for x in model._flatten_layers(include_self=False)]
     if not any(x.compute_dtype == "float16" for x in layers):
@@ -216,7 +216,7 @@ def recalibration_hint(model, data, margin: float = 4.0) -> str:
 
 
 def _addresses(model) -> dict:
-    from keras_mp._tree import addresses, layer_tree
+    from keras_mp.keep_list.tree import addresses, layer_tree
 
     layers, _ = layer_tree(model)
     where = addresses(model)
@@ -286,8 +286,10 @@ class CollapseGuard(keras.callbacks.Callback):
                 f"got {min_scale!r}."
             )
         self.min_scale = min_scale
-        if isinstance(max_skip_rate, bool) or not isinstance(max_skip_rate, (int, float)) or not (
-            0 < max_skip_rate <= 1
+        if (
+            isinstance(max_skip_rate, bool)
+            or not isinstance(max_skip_rate, (int, float))
+            or not (0 < max_skip_rate <= 1)
         ):
             raise ValueError(
                 f"CollapseGuard: `max_skip_rate` must be a number in (0, 1], got {max_skip_rate!r}."
@@ -461,7 +463,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
         model = self.model  # syncs the JAX state so the diagnosis sees the current weights
         self.stopped_step = self._steps
         corrupted = [
-            v.path for v in model.trainable_variables
+            v.path
+            for v in model.trainable_variables
             if not np.all(np.isfinite(keras.ops.convert_to_numpy(v.value)))
         ]
         if corrupted:

@@ -175,7 +175,8 @@ def set_deterministic(seed: int, *, xla_flags: bool = True) -> DeterminismReport
         jax_started, tf_started = _jax_started(), _tf_started()
         added = _add_xla_flags(XLA_DETERMINISM_FLAGS)
         applied.append(
-            "XLA_FLAGS += " + " ".join(XLA_DETERMINISM_FLAGS)
+            "XLA_FLAGS += "
+            + " ".join(XLA_DETERMINISM_FLAGS)
             + ("" if added else " (already there)")
         )
         if jax_started and added:

@@ -1,5 +1,5 @@
 """What this machine accelerates, which policy to train with, the TF32 switch, and the
-deterministic mode (`set_deterministic`, implemented in `keras_mp._determinism`).
+deterministic mode (`set_deterministic`, implemented in `keras_mp.hardware.determinism`).
 
 `report()` lists the devices the current Keras backend sees, whether each runs FP16,
 BF16 and FP8 fast (GPU compute capability >= 7.0 / 8.0 / 8.9; CPUs with AVX512-FP16,
@@ -19,16 +19,12 @@ import sys
 
 import keras
 
-from keras_mp._determinism import DeterminismReport, set_deterministic
-
 __all__ = [
-    "DeterminismReport",
     "Device",
     "HardwareReport",
     "cpu_features",
     "recommend",
     "report",
-    "set_deterministic",
     "set_tf32",
     "tf32_enabled",
 ]
@@ -80,8 +76,11 @@ class HardwareReport:
 
         lines = [f"Keras backend: {self.backend}"]
         for d in self.devices:
-            cc = f", compute capability {d.compute_capability[0]}.{d.compute_capability[1]}" \
-                if d.compute_capability else ""
+            cc = (
+                f", compute capability {d.compute_capability[0]}.{d.compute_capability[1]}"
+                if d.compute_capability
+                else ""
+            )
             lines.append(
                 f"  {d.kind} {' '.join(filter(None, (d.name, d.model)))}{cc}: "
                 f"FP16 {yes(d.fp16)}, BF16 {yes(d.bf16)}, FP8 {yes(d.fp8)}"
@@ -149,9 +148,11 @@ def _devices(backend: str, flags: frozenset) -> list:
         for d in tf.config.list_physical_devices():
             if d.device_type == "GPU":
                 details = tf.config.experimental.get_device_details(d)
-                out.append(_gpu_device(
-                    d.name, details.get("device_name", ""), details.get("compute_capability")
-                ))
+                out.append(
+                    _gpu_device(
+                        d.name, details.get("device_name", ""), details.get("compute_capability")
+                    )
+                )
             elif d.device_type == "TPU":
                 out.append(Device(d.name, "TPU", fp16=False, bf16=True))
     elif backend == "jax":
@@ -168,9 +169,11 @@ def _devices(backend: str, flags: frozenset) -> list:
         import torch
 
         for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-            out.append(_gpu_device(
-                f"cuda:{i}", torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)
-            ))
+            out.append(
+                _gpu_device(
+                    f"cuda:{i}", torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)
+                )
+            )
     return [_cpu_device(flags), *out]
 
 
@@ -181,12 +184,16 @@ def recommend(devices, backend: str) -> tuple[str, bool, list]:
         jit = True
         if all(d.bf16 for d in accel):
             best = "mixed_bfloat16"
-            why = "accelerators run BF16 natively (compute capability >= 8.0 or TPU): no loss "\
+            why = (
+                "accelerators run BF16 natively (compute capability >= 8.0 or TPU): no loss "
                 "scaling needed"
+            )
         elif all(d.fp16 for d in accel):
             best = "mixed_float16"
-            why = "GPU tensor cores run FP16 (compute capability 7.x) but not BF16: use FP16 " \
+            why = (
+                "GPU tensor cores run FP16 (compute capability 7.x) but not BF16: use FP16 "
                 "with kmp.LossScaleOptimizer"
+            )
         else:
             best, why = "float32", "a GPU older than compute capability 7.0 has no tensor cores"
         reasons = [why, "XLA (jit_compile=True) fuses the casts around low-precision ops"]
@@ -210,9 +217,13 @@ def recommend(devices, backend: str) -> tuple[str, bool, list]:
                 "than float32; unset it"
             )
         return "mixed_bfloat16", False, reasons
-    return "float32", backend == "jax", [
-        "no accelerator; this backend's CPU kernels gain nothing from FP16/BF16 here",
-    ]
+    return (
+        "float32",
+        backend == "jax",
+        [
+            "no accelerator; this backend's CPU kernels gain nothing from FP16/BF16 here",
+        ],
+    )
 
 
 def tf32_enabled(backend: str | None = None) -> bool | None:
@@ -259,9 +270,7 @@ def set_tf32(enabled: bool) -> None:
     if current == "jax" or "jax" in sys.modules:
         import jax
 
-        jax.config.update(
-            "jax_default_matmul_precision", "tensorfloat32" if enabled else "float32"
-        )
+        jax.config.update("jax_default_matmul_precision", "tensorfloat32" if enabled else "float32")
     if current == "torch" or "torch" in sys.modules:
         import torch
 

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 
 from keras_mp import keep_list
-from keras_mp._boundary import casts_to
+from keras_mp.conversion.boundary import casts_to
 
 __all__ = [
     "LayerTrace",
@@ -136,8 +136,9 @@ def trace(model: keras.Model, x, training: bool = False) -> list:
             # The main tensors: the first argument, and the first output of a tuple (masks,
             # position biases and caches travel beside them with their own sentinel values).
             ins = _floats(args[0] if args else next(iter(kwargs.values()), None))
-            outs = _floats(outputs[0] if isinstance(outputs, (tuple, list)) and outputs
-                           else outputs)
+            outs = _floats(
+                outputs[0] if isinstance(outputs, (tuple, list)) and outputs else outputs
+            )
             peaks = _peak(ins), _peak(outs)
             if None in peaks:
                 return outputs  # symbolic (Keras building the layer, a jit inside): no values
@@ -184,7 +185,8 @@ def _hooked(model, make_hook, run):
         for layer in layers:
             own = vars(layer).get("call")
             if isinstance(layer, keras.layers.InputLayer) or (
-                    own is not None and casts_to(layer) is None):
+                own is not None and casts_to(layer) is None
+            ):
                 continue
             object.__setattr__(layer, "call", make_hook(layer, layer.call))
             wrapped.append((layer, own))
@@ -289,8 +291,11 @@ def matmul_flops(record: LayerTrace) -> float:
         if isinstance(layer, keras.layers.EinsumDense):
             spec, out_spec = layer.equation.split("->")
             kernel_spec = spec.split(",")[1]
-            produced = int(np.prod([d for c, d in zip(kernel_spec, shape, strict=False)
-                                    if c in out_spec] or [1]))
+            produced = int(
+                np.prod(
+                    [d for c, d in zip(kernel_spec, shape, strict=False) if c in out_spec] or [1]
+                )
+            )
         elif isinstance(layer, keras.layers.DepthwiseConv2D):
             produced = shape[-2] * shape[-1]
         else:
@@ -322,8 +327,13 @@ def first_nonfinite_layer(model: keras.Model, data) -> tuple[str | None, str]:
             return rec.address, (
                 f"On diagnose_data the first layer with a non-finite output is {rec.address!r} "
                 f"({type(layer).__name__}, compute dtype {layer.compute_dtype})"
-                + (" — its float16 output exceeded 65504" if layer.compute_dtype == "float16"
-                   and rec.input_max is not None and math.isfinite(rec.input_max) else "")
+                + (
+                    " — its float16 output exceeded 65504"
+                    if layer.compute_dtype == "float16"
+                    and rec.input_max is not None
+                    and math.isfinite(rec.input_max)
+                    else ""
+                )
                 + "."
             )
         if rec.output_max is not None and rec.output_max >= peak[1]:

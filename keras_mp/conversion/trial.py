@@ -5,7 +5,7 @@ compiled as `predict` does (a `tf.function` on TensorFlow, `jax.jit` on JAX) wit
 layer's `call` watched, and names the innermost layer whose call raised (or the layer an
 op error's name scope names); `train_failure` compiles and runs one gradient step (XLA on
 TensorFlow); `finite_outputs` says whether every floating output is finite. The run check
-(`keras_mp._runcheck`) pins what these find. Nothing here imports TensorFlow at module
+(`keras_mp.conversion.runcheck`) pins what these find. Nothing here imports TensorFlow at module
 level.
 """
 
@@ -17,10 +17,16 @@ import keras
 import numpy as np
 
 from keras_mp import keep_list
-from keras_mp._probe import _hooked
+from keras_mp.conversion.probe import _hooked
 
-__all__ = ["RunFailure", "finite_outputs", "first_line", "forward_failure", "sample_inputs",
-           "train_failure"]
+__all__ = [
+    "RunFailure",
+    "finite_outputs",
+    "first_line",
+    "forward_failure",
+    "sample_inputs",
+    "train_failure",
+]
 
 _SEQ = 8
 _IMAGE = 64
@@ -59,9 +65,12 @@ def sample_inputs(model: keras.Model, batch_size: int = 2):
     def make(spec):
         shape = list(spec.shape)
         rank = len(shape)
-        dims = [batch_size if i == 0 and d is None else
-                (_IMAGE if rank == 4 and d is None else (d if d is not None else _SEQ))
-                for i, d in enumerate(shape)]
+        dims = [
+            batch_size
+            if i == 0 and d is None
+            else (_IMAGE if rank == 4 and d is None else (d if d is not None else _SEQ))
+            for i, d in enumerate(shape)
+        ]
         dtype = keras.backend.standardize_dtype(spec.dtype)
         if dtype == "bool":
             return np.ones(dims, bool)
@@ -105,7 +114,8 @@ def _compiled_call(model, x):
         trainable = [v.value for v in model.trainable_variables]
         frozen = [v.value for v in model.non_trainable_variables]
         return jax.jit(lambda a, b, batch: model.stateless_call(a, b, batch)[0])(
-            trainable, frozen, x)
+            trainable, frozen, x
+        )
     return model(x, training=False)
 
 
@@ -205,7 +215,6 @@ def _train_failure(model: keras.Model, x) -> str | None:
     except Exception as e:  # noqa: BLE001 - reported, then pinned or re-raised by the caller
         return first_line(e)
     return None
-
 
 
 def finite_outputs(model: keras.Model, x) -> bool:

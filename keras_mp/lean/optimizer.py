@@ -2,10 +2,10 @@
 
 `LeanOptimizer` runs Adam, AdamW or SGD (with or without momentum) with the update
 arithmetic in float32 inside the train step, and stores what persists between steps
-compactly (`keras_mp.lean_codecs`): bfloat16 weights with an 8-bit Kahan compensation
+compactly (`keras_mp.lean.codecs`): bfloat16 weights with an 8-bit Kahan compensation
 buffer, and block-wise 8-bit moments. Any other Keras optimizer (RMSprop, Adafactor,
 Lion, Muon...) keeps the same storage and runs its own update on the decoded float32
-state (`keras_mp.lean_general`). Under the `"lean_bfloat16"` policy a model's
+state (`keras_mp.lean.general`). Under the `"lean_bfloat16"` policy a model's
 trainable weights are bfloat16 (the keep-list's layers keep float32 weights) and
 `compile(optimizer="adamw")` gets a `LeanOptimizer` by itself (`keras_mp.autoscale`).
 Float32 weights are updated exactly; only their moments are compressed.
@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import keras
 from keras import ops
 from keras.src.utils import tracking
 
-from keras_mp import lean_codecs, lean_general, lean_sharding
+from keras_mp import optimizer_guard
+from keras_mp.lean import codecs as lean_codecs
+from keras_mp.lean import general as lean_general
+from keras_mp.lean import sharding as lean_sharding
+from keras_mp.lean.rule import Hyper, Static, constant, lean_rule, read, to_float32
 
-__all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED", "lean_rule"]
+__all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 
 DEFAULT_ROUNDING = "kahan"
 _SMALL = 65536  # variables with fewer values share one compiled update on TensorFlow
@@ -63,7 +66,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
 
     Adam, AdamW and SGD run a fused rule of their own (below); every other optimizer
     (RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion, Adafactor, Lamb, Muon, Adam
-    with amsgrad, a subclass) takes the general path (`keras_mp.lean_general`): the same
+    with amsgrad, a subclass) takes the general path (`keras_mp.lean.general`): the same
     weight storage, its slots shaped like the weight stored as the moments are, its other
     slots in float32, and its own `update_step` run on the decoded float32 values.
 
@@ -170,6 +173,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         for attr in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
             if hasattr(inner_optimizer, attr):
                 setattr(self, attr, getattr(inner_optimizer, attr))
+        optimizer_guard.exempt(self)  # it keeps lean weights exact: no plain-optimizer warning
 
     @property
     def general(self) -> bool:
@@ -199,14 +203,20 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         else:
             layouts = lean_sharding.codes_layouts(place)
         codes = self.add_variable(
-            codes_shape, dtype=dtype, name=f"{prefix}_{name}", layout=layouts[0],
-            initializer=_constant(initial[0]),
+            codes_shape,
+            dtype=dtype,
+            name=f"{prefix}_{name}",
+            layout=layouts[0],
+            initializer=constant(initial[0]),
         )
         scales = None
         if scales_shape is not None:
             scales = self.add_variable(
-                scales_shape, dtype="float32", name=f"{prefix}_{name}_scale", layout=layouts[1],
-                initializer=_constant(initial[1]),
+                scales_shape,
+                dtype="float32",
+                name=f"{prefix}_{name}_scale",
+                layout=layouts[1],
+                initializer=constant(initial[1]),
             )
         return fmt, codes, scales
 
@@ -256,7 +266,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
 
     def apply(self, grads, trainable_variables=None):
         """Applies one step; gradients are taken to float32 first (clipping included)."""
-        grads = [None if g is None else _to_float32(g) for g in grads]
+        grads = [None if g is None else to_float32(g) for g in grads]
         return super().apply(grads, trainable_variables)
 
     def _apply_weight_decay(self, variables):
@@ -268,7 +278,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         index = self._get_variable_index(variable)
         slot = self._slots[index]
         values = {
-            "weight": _read(variable),
+            "weight": read(variable),
             "grad": gradient,
             "lr": ops.cast(learning_rate, "float32"),
             "iterations": ops.cast(self.iterations, "int32"),
@@ -276,17 +286,17 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         }
         writes = {"weight": variable}
         if slot["compensation"] is not None:
-            values["compensation"] = _read(slot["compensation"])
+            values["compensation"] = read(slot["compensation"])
             writes["compensation"] = slot["compensation"]
         for name in ("m", "v"):
             if slot[name] is not None:
                 _, codes, scales = slot[name]
-                values[name], writes[name] = _read(codes), codes
+                values[name], writes[name] = read(codes), codes
                 if scales is not None:
-                    values[name + "_scale"], writes[name + "_scale"] = _read(scales), scales
+                    values[name + "_scale"], writes[name + "_scale"] = read(scales), scales
         if self.weight_decay is not None and self._use_weight_decay(variable):
             values["weight_decay"] = ops.cast(self.weight_decay, "float32")
-        static = _Static(
+        static = Static(
             shape=tuple(variable.shape),
             weight_dtype=keras.backend.standardize_dtype(variable.dtype),
             m=None if slot["m"] is None else slot["m"][0],
@@ -348,7 +358,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         for new, (_, _, writes) in zip(cache[statics]([p[1] for p in small]), small):
             self._write(new, writes)
 
-    def _rule_for(self, static: _Static):
+    def _rule_for(self, static: Static):
         """The pure update for variables like `static`; on TensorFlow compiled with XLA
         (one fused kernel per shape, whether or not the train step itself is), elsewhere
         as it is (JAX traces it into the step)."""
@@ -362,8 +372,8 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             cache[static] = tf.function(rule, jit_compile=True, autograph=False)
         return cache[static]
 
-    def _hyper(self) -> _Hyper:
-        return _Hyper(
+    def _hyper(self) -> Hyper:
+        return Hyper(
             kind=self.kind,
             rounding=self.rounding,
             beta_1=self.beta_1,
@@ -402,7 +412,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         for var, average in zip(trainable_variables, self._model_variables_moving_average):
             if average is None:
                 continue
-            value = ops.cast(_read(var), "float32")
+            value = ops.cast(read(var), "float32")
             average.assign(momentum * average.value + (1.0 - momentum) * value)
 
     def _overwrite_model_variables_with_average_value(self, trainable_variables):
@@ -424,7 +434,8 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         if self._general is not None:
             inner_config = dict(self._general.serialized)
             inner_config["config"] = {
-                **inner_config["config"], "learning_rate": config["learning_rate"]
+                **inner_config["config"],
+                "learning_rate": config["learning_rate"],
             }
             config.update({"optimizer": inner_config, **own})
             return config
@@ -442,7 +453,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         own = {
             k: config.pop(k)
             for k in (
-                "rounding", "moments", "block_size", "min_quantized_size", "shard_over_data",
+                "rounding",
+                "moments",
+                "block_size",
+                "min_quantized_size",
+                "shard_over_data",
                 "name",
             )
             if k in config
@@ -458,132 +473,3 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             )
         inner = _BY_NAME[kind](**config)
         return cls(inner, **own)
-
-
-class _Static(NamedTuple):
-    """What a variable's update is specialised on (its compiled kernel's cache key)."""
-
-    shape: tuple
-    weight_dtype: str
-    m: str | None  # moment formats, None: no such moment
-    v: str | None
-    blocks: lean_codecs.Blocks  # the 8-bit moments' blocks (`lean_sharding.blocks`)
-
-
-class _Hyper(NamedTuple):
-    kind: str
-    rounding: str
-    beta_1: float
-    beta_2: float
-    epsilon: float
-    momentum: float
-    nesterov: bool
-
-
-def lean_rule(static: _Static, hyper: _Hyper, values: dict) -> dict:
-    """One variable's lean update: a pure function of its stored state and gradient.
-
-    Decodes the weight (bfloat16 plus compensation, or float32) and the moments to
-    float32, applies Adam/AdamW (Keras' formula, decoupled weight decay) or SGD with
-    momentum/nesterov in float32, and encodes the results back, the stochastic roundings
-    driven by one hash of (step, variable, element).
-
-    Args:
-        static: shapes and formats (`_Static`).
-        hyper: the optimizer's constants (`_Hyper`).
-        values: `weight`, `grad`, `lr`, `iterations` (int32, before this step), `seed`
-            (int32, the variable's), and as stored: `compensation`, `m`, `m_scale`, `v`,
-            `v_scale`, `weight_decay` where they apply.
-
-    Returns:
-        A dict with the new `weight` and, where given, `compensation`, `m`, `m_scale`,
-        `v`, `v_scale`; all as given when the gradient has an inf or NaN.
-    """
-    shape = static.shape
-    g = ops.reshape(ops.cast(values["grad"], "float32"), shape)
-    lr = values["lr"]
-    comp = values.get("compensation")
-    w = lean_codecs.decode_weight(values["weight"], comp, hyper.rounding)
-    step = ops.cast(values["iterations"] + 1, "float32")
-    noise_w, noise_m, noise_v = lean_codecs.uniforms(
-        shape, values["iterations"] * 1000003 + values["seed"], 3
-    )
-
-    def moment(name, signed):
-        return lean_codecs.decode_moment(
-            values[name], values.get(name + "_scale"), getattr(static, name), signed, shape,
-            static.blocks,
-        )
-
-    out = {}
-
-    def store(name, x, signed, noise):
-        codes, scale = lean_codecs.encode_moment(
-            x, getattr(static, name), signed, noise, static.blocks
-        )
-        out[name] = codes
-        if scale is not None:
-            out[name + "_scale"] = scale
-
-    update = ops.zeros_like(w)
-    if "weight_decay" in values:
-        update = update - w * (values["weight_decay"] * lr)
-    if hyper.kind in ("adam", "adamw"):
-        m = moment("m", True)
-        v = moment("v", False)
-        m = m + (g - m) * (1.0 - hyper.beta_1)
-        v = v + (ops.square(g) - v) * (1.0 - hyper.beta_2)
-        alpha = lr * ops.sqrt(1.0 - ops.power(hyper.beta_2, step)) / (
-            1.0 - ops.power(hyper.beta_1, step)
-        )
-        update = update - alpha * m / (ops.sqrt(v) + hyper.epsilon)
-        store("m", m, True, noise_m)
-        store("v", v, False, noise_v)
-    elif static.m is not None:
-        m = hyper.momentum * moment("m", True) - lr * g
-        update = update + (hyper.momentum * m - lr * g if hyper.nesterov else m)
-        store("m", m, True, noise_m)
-    else:
-        update = update - lr * g
-    target = w + update
-    if static.weight_dtype == "bfloat16":
-        out["weight"], compensation = lean_codecs.encode_weight(target, hyper.rounding, noise_w)
-        if comp is not None:
-            out["compensation"] = compensation
-    else:
-        out["weight"] = ops.cast(target, static.weight_dtype)
-    # A non-finite gradient (a NaN batch, an overflow) changes neither the weight nor its
-    # state: the stored values are kept as they are (a select, fused into the update).
-    finite = ops.all(ops.isfinite(g))
-    return {k: ops.where(finite, x, values[k]) for k, x in out.items()}
-
-
-def _read(variable):
-    """A variable's value as a tensor: a Keras variable's (mapped in a stateless scope) or
-    a backend variable's, as TensorFlow's distributed update passes it.
-
-    Always a tensor, never the variable itself: under a `tf.distribute` strategy a Keras
-    variable's `.value` is a `MirroredVariable`, and a compiled `tf.function` called with
-    one captures it by its shape and dtype, so every later variable of the same shape and
-    dtype would be read from the first one's storage. Read here, inside the strategy's
-    update context, it is this replica's copy."""
-    if isinstance(variable, keras.Variable):
-        variable = variable.value
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return tf.convert_to_tensor(variable)  # a read; Keras' passes variables through
-    return ops.convert_to_tensor(variable)
-
-
-def _constant(value):
-    """An initializer giving `value` (None: zeros)."""
-    if value is None:
-        return "zeros"
-    return lambda shape, dtype=None: ops.cast(value, dtype)
-
-
-def _to_float32(g):
-    if hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape"):
-        return type(g)(ops.cast(g.values, "float32"), g.indices, g.dense_shape)
-    return ops.cast(g, "float32")

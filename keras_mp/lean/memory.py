@@ -12,7 +12,9 @@ import dataclasses
 import math
 
 import keras
-import numpy as np
+
+from keras_mp.lean.optimizer import LeanOptimizer
+from keras_mp.lean.sharding import variable_bytes
 
 __all__ = ["StateBytes", "state_bytes", "variable_bytes"]
 
@@ -66,13 +68,6 @@ class StateBytes:
             f"{self.weights * mib:.2f}, compensation {self.compensation * mib:.2f}, "
             f"optimizer {self.optimizer * mib:.2f}, scaler {self.scaler * mib:.4f} MiB)"
         )
-
-
-def variable_bytes(variable) -> int:
-    """Bytes of one variable's values (bfloat16: 2 a value)."""
-    dtype = keras.backend.standardize_dtype(variable.dtype)
-    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
-    return math.prod(variable.shape) * itemsize
 
 
 def state_bytes(
@@ -147,7 +142,6 @@ def state_bytes(
 
 def _optimizer_bytes(model, optimizer) -> tuple:
     """`(compensation, optimizer, scaler)` bytes of one optimizer (built here if needed)."""
-    from keras_mp.lean import LeanOptimizer
 
     compensation = opt_bytes = scaler = 0
     if not optimizer.built:

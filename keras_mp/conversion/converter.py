@@ -1,6 +1,6 @@
 """`convert`: an existing model, turned into a policy's model.
 
-The model is copied as it is (`keras_mp.model_copy`: no layer needs to survive a
+The model is copied as it is (`keras_mp.conversion.model_copy`: no layer needs to survive a
 `get_config()` round trip), then every layer of the copy gets one `DTypePolicyMap`: default
 the policy's base dtypes, float32 for the paths the plan pins (`keras_mp.keep_list`).
 Keras resolves the map per layer path, and Keras' and keras_hub's configs save it, so the
@@ -20,10 +20,11 @@ from typing import Any
 import keras
 from keras.src.utils.tracking import DotNotTrackScope
 
-from keras_mp import _runcheck, keep_list, optimizer_guard
-from keras_mp import calibrate as calibration
-from keras_mp._boundary import cast_at_boundaries, cast_model_outputs
-from keras_mp.model_copy import copy_model, pair_layers, recast_variables
+from keras_mp import keep_list, optimizer_guard
+from keras_mp.conversion import calibration
+from keras_mp.conversion import runcheck as _runcheck
+from keras_mp.conversion.boundary import cast_at_boundaries, cast_model_outputs
+from keras_mp.conversion.model_copy import copy_model, pair_layers, recast_variables
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
 
 __all__ = ["apply_plan", "convert", "plan"]
@@ -41,7 +42,7 @@ def plan(
     """Which layers of `model` would run in float32 under `policy`, and why.
 
     The decision `convert` applies: the keep-list, and with `calibrate` the layers that
-    leave the compute dtype's range on those batches (see `keras_mp.calibrate`).
+    leave the compute dtype's range on those batches (see `keras_mp.conversion.calibration`).
 
     Args:
         model: A built Keras model (the float32 model when calibrating).
@@ -123,7 +124,7 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     plan's swaps, keras_mp's layer norm and GELU kernels (same state, config and math), and
     the casts of low sublayers' outputs to float32 inside a layer pinned alone, and of the
     model's outputs (and those of the models a subclassed model calls) to float32
-    (`keras_mp._boundary`).
+    (`keras_mp.conversion.boundary`).
     """
     policy = the_plan.policy
     float32, base = keras.DTypePolicy("float32"), keras.DTypePolicy(policy.base.name)
@@ -233,14 +234,15 @@ def convert(
 
     With `calibrate` (a few batches of the user's data), the layers that receive or produce
     a tensor past the compute dtype's largest value / `margin` on those batches are pinned
-    too, and the converted model is checked on them (see `keras_mp.calibrate`); the plan
+    too, and the converted model is checked on them (see
+    `keras_mp.conversion.calibration`); the plan
     reports each pin's measured maximum against the limit and the FLOPs moved to float32.
 
     The converted model is then run once on a batch (`check`, on by default: the first
     calibration batch, or one made from the model's input specs), compiled as `predict`
     runs it: a layer that cannot run in the compute dtype (an op without a float16 kernel,
     a dtype error inside the layer) is pinned to float32 alone, its sublayers left as they
-    were, and the model converted and run again, until it runs (see `keras_mp._runcheck`).
+    were, and the model converted and run again, until it runs (see `keras_mp.conversion.runcheck`).
     One compiled gradient step runs too (`check="train"`, or by default on TensorFlow
     when a layer resizes bilinearly in the low dtype), and layers whose backward XLA cannot
     compile in the low dtype are pinned. Each such pin's reason is the error it fixed; the
@@ -308,10 +310,14 @@ def convert(
         x, inputs = calibration.batches(calibrate, 1)[0][0], "calibration batch"
     if check is None or not policy.is_low_precision:
         return new if new is not None else _converted(model, the_plan)
-    recalibrate = None if calibrate is not None else (
-        lambda batch: _calibrated(model, policy, batch, margin, 1, loss)[0])
-    return _runcheck.run_check(model, the_plan, new, x, inputs, check,
-                               lambda p: _converted(model, p), recalibrate)
+    recalibrate = (
+        None
+        if calibrate is not None
+        else (lambda batch: _calibrated(model, policy, batch, margin, 1, loss)[0])
+    )
+    return _runcheck.run_check(
+        model, the_plan, new, x, inputs, check, lambda p: _converted(model, p), recalibrate
+    )
 
 
 def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
@@ -338,8 +344,10 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
 
 
 def _config_with_dtype(self) -> dict:
-    return {**type(self).get_config(self), "dtype": keras.dtype_policies.serialize(
-        self.dtype_policy)}
+    return {
+        **type(self).get_config(self),
+        "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+    }
 
 
 def _save_the_dtype(model: keras.Model) -> None:
@@ -380,7 +388,8 @@ def _compile_like(model: keras.Model, new: keras.Model) -> None:
 def _calibrated(model, policy: Policy, data, margin, max_batches, loss=None) -> tuple:
     """(plan with calibration pins, converted model checked on the batches or None)."""
     return calibration.calibrated_plan(
-        model, policy, data, margin, max_batches, loss, lambda p: _converted(model, p))
+        model, policy, data, margin, max_batches, loss, lambda p: _converted(model, p)
+    )
 
 
 def _translate(the_plan: keep_list.Plan, model: keras.Model, new: keras.Model):

@@ -10,7 +10,7 @@ precision in the far tail where `1 - erf(x)` would round to 0.
 Example:
 
 ```python
-from keras_mp._gelu_math import gelu_float32
+from keras_mp.gelu_math import gelu_float32
 
 y = gelu_float32(keras.ops.convert_to_tensor([-1.0, 0.0, 2.0]), approximate=False)
 ```
@@ -27,8 +27,18 @@ _INV_SQRT_2PI = 0.3989422804014327
 _SQRT_2_OVER_PI = 0.7978845608028654
 _TANH_CUBIC = 0.044715
 # Numerical Recipes (2nd ed., 6.2) erfcc: erfc(z) = t * exp(-z^2 + P(t)), t = 1/(1 + z/2).
-_ERFCC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
-          0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+_ERFCC = (
+    -1.26551223,
+    1.00002368,
+    0.37409196,
+    0.09678418,
+    -0.18628806,
+    0.27886807,
+    -1.13520398,
+    1.48851587,
+    -0.82215223,
+    0.17087277,
+)
 
 
 def _erfc_rational(z):

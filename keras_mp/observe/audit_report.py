@@ -133,28 +133,43 @@ class AuditReport:
             return "-" if x is None else f"{100 * x:.1f}%"
 
         header = (
-            "layer", "class", "compute/var", "fp32?", "max|act|", "grad uflow@1",
-            f"@{self.loss_scale:g}", "dims%8",
+            "layer",
+            "class",
+            "compute/var",
+            "fp32?",
+            "max|act|",
+            "grad uflow@1",
+            f"@{self.loss_scale:g}",
+            "dims%8",
         )
         rows = []
         for la in self.layers:
-            rows.append((
-                la.path or la.name,
-                la.class_name,
-                f"{la.compute_dtype}/{la.variable_dtype}",
-                ("LOW! " if la.runs_low else "") + (la.fp32_reason or "") or "-",
-                num(la.max_abs_activation) + (" >FP16!" if la.overflow_risk else ""),
-                pct(la.worst("grad_underflow_at_1")),
-                pct(la.worst("grad_underflow_at_scale")),
-                "-" if not la.matmul_dims else (
-                    "ok" if not la.misaligned_dims else
-                    "pad " + ",".join(map(str, la.misaligned_dims))
-                ),
-            ))
+            rows.append(
+                (
+                    la.path or la.name,
+                    la.class_name,
+                    f"{la.compute_dtype}/{la.variable_dtype}",
+                    ("LOW! " if la.runs_low else "") + (la.fp32_reason or "") or "-",
+                    num(la.max_abs_activation) + (" >FP16!" if la.overflow_risk else ""),
+                    pct(la.worst("grad_underflow_at_1")),
+                    pct(la.worst("grad_underflow_at_scale")),
+                    "-"
+                    if not la.matmul_dims
+                    else (
+                        "ok"
+                        if not la.misaligned_dims
+                        else "pad " + ",".join(map(str, la.misaligned_dims))
+                    ),
+                )
+            )
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
         line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        out = [f"Precision audit of {self.model_name!r} (loss scale {self.loss_scale:g}, "
-               f"{self.loss_scale_source})", line(header), line(["-" * w for w in widths])]
+        out = [
+            f"Precision audit of {self.model_name!r} (loss scale {self.loss_scale:g}, "
+            f"{self.loss_scale_source})",
+            line(header),
+            line(["-" * w for w in widths]),
+        ]
         out += [line(r) for r in rows]
         out += [f"note: {n}" for n in self.notes]
         if self.state_bytes:

@@ -1,7 +1,7 @@
 """Calibration: the layers that leave the compute dtype's range on the user's own data.
 
 `measure(model, data)` runs the float32 model on a few batches with every layer watched
-(`keras_mp._probe.trace`): the largest |value| each layer receives and produces, nested
+(`keras_mp.conversion.probe.trace`): the largest |value| each layer receives and produces, nested
 layers and sublayers of blocks included, and each layer's matmul FLOPs. `range_pins` turns
 that into pins: a layer is pinned when a tensor it receives or produces exceeds the compute
 dtype's largest finite value divided by `margin` (65504 / 4 = 16376 for float16 by default).
@@ -19,7 +19,7 @@ the layer alone when it overflowed itself (a norm whose statistics run in the in
 else the layer whose own math fed it the non-finite tensor (an attention layer's mask,
 bias and scores), alone, its projections left in the low dtype; then that layer with its
 query and key projections; only then its whole block (`calibrated_plan`). A layer pinned
-alone gets its low sublayers' outputs cast to float32 (`keras_mp._boundary`), so a block
+alone gets its low sublayers' outputs cast to float32 (`keras_mp.conversion.boundary`), so a block
 that adds them to its own float32 tensors with raw TensorFlow ops (T5Gemma, RWKV-7) runs.
 Once the converted model is finite, each growth round is undone in turn, the costliest
 first, where the model, run again, stays finite without it (a pin that a later, outer pin
@@ -38,9 +38,9 @@ import ml_dtypes
 import numpy as np
 
 from keras_mp import keep_list
-from keras_mp._confirm import overflowing, pruned
-from keras_mp._probe import activation_gradients, matmul_flops, trace, unpack
-from keras_mp._trial import forward_failure
+from keras_mp.conversion.confirm import overflowing, pruned
+from keras_mp.conversion.probe import activation_gradients, matmul_flops, trace, unpack
+from keras_mp.conversion.trial import forward_failure
 
 __all__ = [
     "Calibration",
@@ -231,7 +231,9 @@ def range_pins(ranges: dict, compute_dtype: str, margin: float) -> dict:
     pins = {}
     for path, r in ranges.items():
         side, value = max(
-            ("output", r.output_max), ("input", r.input_max), ("gradient", r.grad_max or 0.0),
+            ("output", r.output_max),
+            ("input", r.input_max),
+            ("gradient", r.grad_max or 0.0),
             key=lambda pair: pair[1],
         )
         if bound < value < math.inf:  # inf: broken in float32 already, pinning cannot help
@@ -280,7 +282,7 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
     tensor (its parent), alone, with the other layers of its class (same code); (1) with
     its query and key projections (the attention scores); (2) its whole block, lifted as
     the keep-list lifts. Then the rounds that the finite model no longer needs are undone
-    (`keras_mp._confirm.pruned`).
+    (`keras_mp.conversion.confirm.pruned`).
 
     Args:
         model: The float32 model.
@@ -338,8 +340,12 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
     def grown(step, *args):
         tight, wide = dict(cal.tight), dict(pins)
         step(*args)
-        rounds.append(({a: r for a, r in cal.tight.items() if a not in tight},
-                       {a: r for a, r in pins.items() if a not in wide}))
+        rounds.append(
+            (
+                {a: r for a, r in cal.tight.items() if a not in tight},
+                {a: r for a, r in pins.items() if a not in wide},
+            )
+        )
 
     the_plan, new, last = make_plan(), None, []
     if low == "float16":
@@ -352,8 +358,11 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
                 # the layer that raised grows (or, if low, runs its own math in float32).
                 failed = forward_failure(new, items[0][0]) if last else None
                 if failed is not None and failed.address in layer_at:
-                    grown(grow, layer_at[failed.address], f"{failed.error[:100]} (after a "
-                          "calibration pin)")
+                    grown(
+                        grow,
+                        layer_at[failed.address],
+                        f"{failed.error[:100]} (after a calibration pin)",
+                    )
                     the_plan, new = make_plan(), None
                     continue
                 the_plan.notes.append(f"converted model not checked here ({type(e).__name__})")
@@ -369,18 +378,18 @@ def calibrated_plan(model, policy, data, margin, max_batches, loss, convert) -> 
             if layer is None:
                 grown(pins.__setitem__, address, _INTERNAL.format(dtype=low))
             else:
-                last.append(layer if itself or parent is None or isinstance(
-                    parent, keras.Model) else parent)
+                last.append(
+                    layer if itself or parent is None or isinstance(parent, keras.Model) else parent
+                )
                 grown(grow, last[-1])
             the_plan, new = make_plan(), None
         if cal.checked and len(rounds) > 1:
-            the_plan, new = pruned(rounds, pins, cal.tight, make_plan, convert, items, ranges,
-                                   (the_plan, new))
+            the_plan, new = pruned(
+                rounds, pins, cal.tight, make_plan, convert, items, ranges, (the_plan, new)
+            )
     cal.tight = {a: r for a, r in cal.tight.items() if a in the_plan.float32}
     base = keep_list.plan(model, policy).float32
-    cal.fp32_flops, cal.range_flops = flop_shares(
-        ranges, the_plan.float32, the_plan.float32 - base
-    )
+    cal.fp32_flops, cal.range_flops = flop_shares(ranges, the_plan.float32, the_plan.float32 - base)
     if new is not None:
         new.precision_plan = the_plan
     return the_plan, new

@@ -4,7 +4,7 @@ Some layers cannot run in a low dtype at all: an op without a float16 kernel (ke
 `ESMRotaryEmbedding` builds a `range` in its compute dtype, which TensorFlow has no
 float16 kernel for), or a backward pass XLA cannot compile (TensorFlow's XLA gradient of a
 bilinear resize in float16/bfloat16). `repair` runs the converted model on one batch with
-every layer's `call` watched (`keras_mp._probe`'s hooks): the innermost layer whose call
+every layer's `call` watched (`keras_mp.conversion.probe`'s hooks): the innermost layer whose call
 raised is pinned to float32, alone (its own math; its sublayers keep their dtype), and the
 model is converted and run again. Layers of the same keras_hub/user class are pinned in the
 same round (same code, same failure); Keras' own layers one at a time. A pin that makes its
@@ -26,16 +26,16 @@ from collections.abc import Callable
 
 import keras
 
-from keras_mp import calibrate as calibration
 from keras_mp import keep_list
-from keras_mp._quiet import ignoring
-from keras_mp._trial import (
+from keras_mp.conversion import calibration
+from keras_mp.conversion.trial import (
     RunFailure,
     finite_outputs,
     forward_failure,
     sample_inputs,
     train_failure,
 )
+from keras_mp.quiet import ignoring
 
 __all__ = ["CHECKS", "RunCheck", "alone", "checked", "repair", "run_check", "wants_train_check"]
 
@@ -76,8 +76,11 @@ class RunCheck:
     def summary(self) -> list:
         lines = [
             f"run check ({self.mode}, {self.inputs or 'no batch'}): "
-            + (f"{len(self.pinned)} layer(s) pinned because they cannot run in the compute "
-               "dtype" if self.checked else "not run")
+            + (
+                f"{len(self.pinned)} layer(s) pinned because they cannot run in the compute dtype"
+                if self.checked
+                else "not run"
+            )
             + f" ({self.seconds:.1f} s)"
         ]
         if self.pinned and self.fp32_flops is not None:
@@ -175,13 +178,15 @@ def repair(
             break
         if fp32_ok is None:  # a batch float32 cannot run either says nothing about dtypes
             fp32_ok = forward_failure(model, x) is None and (
-                stage.startswith("its forward") or train_failure(model, x) is None)
+                stage.startswith("its forward") or train_failure(model, x) is None
+            )
             if not fp32_ok:
                 result.notes.append(f"the float32 model fails on this batch too ({failure.error})")
                 break
         if failure.address is None and stage.startswith("its compiled"):
-            low = [a for a, layer in source.items()
-                   if _resizes(layer) and a not in the_plan.float32]
+            low = [
+                a for a, layer in source.items() if _resizes(layer) and a not in the_plan.float32
+            ]
             if not low:
                 raise _error(model.name, failure.error, dtype, stage)
             for a in low:
@@ -192,8 +197,10 @@ def repair(
                 raise _error(failure.address or model.name, failure.error, dtype, stage)
             if failure.address in the_plan.float32:  # pinned already: its parent next
                 target = parents.get(id(target))
-                if target is None or isinstance(target, keras.Model) or (
-                    where[id(target)] in the_plan.float32
+                if (
+                    target is None
+                    or isinstance(target, keras.Model)
+                    or (where[id(target)] in the_plan.float32)
                 ):
                     raise _error(failure.address, failure.error, dtype, stage)
             for layer in _same_kind(target, layers):
@@ -211,8 +218,9 @@ def repair(
     return the_plan, new, result
 
 
-def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable,
-            pinned: dict | None = None) -> keras.Model:
+def checked(
+    model, the_plan, x, inputs: str, train: bool, convert: Callable, pinned: dict | None = None
+) -> keras.Model:
     """`convert(the_plan)`, run on `x`, with the pins `repair` finds added to the plan and
     their FLOP shares measured (on the calibration's ranges, else one traced call).
 
@@ -239,24 +247,28 @@ def checked(model, the_plan, x, inputs: str, train: bool, convert: Callable,
         if not exact:
             return the_plan
         exact = {**tight, **exact}
-        result = keep_list.plan(model, policy, extra=extra,
-                                exact=[(layer_at[a], r) for a, r in exact.items()])
+        result = keep_list.plan(
+            model, policy, extra=extra, exact=[(layer_at[a], r) for a, r in exact.items()]
+        )
         result.calibration, result.notes = cal, [*the_plan.notes, *result.notes]
         return result
 
     with ignoring(UserWarning):  # warned once already (keeps Keras' show-once record)
-        new_plan, new, check = repair(model, make_plan, convert, x, train=train, inputs=inputs,
-                                      pinned=pinned)
+        new_plan, new, check = repair(
+            model, make_plan, convert, x, train=train, inputs=inputs, pinned=pinned
+        )
     if check.pinned or cal is not None:  # each pin's share of the FLOPs
         ranges = cal.ranges if cal is not None else calibration.measure(model, [(x, None)])
         new_plan.pins = [_with_cost(p, ranges, new_plan.float32) for p in new_plan.pins]
     if check.pinned:
         check.fp32_flops, check.check_flops = calibration.flop_shares(
-            ranges, new_plan.float32, set(check.pinned))
+            ranges, new_plan.float32, set(check.pinned)
+        )
         if cal is not None:
             base = keep_list.plan(model, policy).float32
             cal.fp32_flops, cal.range_flops = calibration.flop_shares(
-                ranges, new_plan.float32, new_plan.float32 - base - set(check.pinned))
+                ranges, new_plan.float32, new_plan.float32 - base - set(check.pinned)
+            )
     return new
 
 
@@ -265,13 +277,22 @@ def _with_cost(pin, ranges: dict, float32: set):
     total = sum(r.flops for r in ranges.values())
     if not total:
         return pin
-    own = [pin.path] + ([] if pin.note == keep_list.ALONE else
-                        [a for a in float32 if a.startswith(pin.path + "/")])
+    own = [pin.path] + (
+        [] if pin.note == keep_list.ALONE else [a for a in float32 if a.startswith(pin.path + "/")]
+    )
     return dataclasses.replace(pin, cost=sum(ranges[a].flops for a in own if a in ranges) / total)
 
 
-def run_check(model, the_plan, new, x, inputs: str, check: str, convert: Callable,
-              recalibrate: Callable | None) -> keras.Model:
+def run_check(
+    model,
+    the_plan,
+    new,
+    x,
+    inputs: str,
+    check: str,
+    convert: Callable,
+    recalibrate: Callable | None,
+) -> keras.Model:
     """What `convert(..., check=check)` does after planning.
 
     Args:
@@ -294,22 +315,29 @@ def run_check(model, the_plan, new, x, inputs: str, check: str, convert: Callabl
         x, inputs = sample_inputs(model), "made from model.inputs"
     if x is None:
         the_plan.notes.append(
-            "run check skipped: the model has no input specs; pass a batch as `calibrate`")
+            "run check skipped: the model has no input specs; pass a batch as `calibrate`"
+        )
         return new if new is not None else convert(the_plan)
     resizing = wants_train_check(model, the_plan)
     if check == "forward" and resizing:
         the_plan.notes.append(
             f"{resizing[:3]} resize in {policy.compute_dtype}: TensorFlow's XLA may fail to "
-            "compile their gradient; convert(..., check='train') checks and pins them")
+            "compile their gradient; convert(..., check='train') checks and pins them"
+        )
     train = check == "train" or (check == "auto" and bool(resizing))
     new = checked(model, the_plan, x, inputs, train, convert)
-    if (recalibrate is not None and policy.compute_dtype == "float16"
-            and new.precision_plan.check.finite is False and finite_outputs(model, x)):
+    if (
+        recalibrate is not None
+        and policy.compute_dtype == "float16"
+        and new.precision_plan.check.finite is False
+        and finite_outputs(model, x)
+    ):
         found = new.precision_plan.check.pinned
         the_plan = recalibrate(x)
         the_plan.notes.append(
             f"non-finite outputs in float16 on the run check's batch ({inputs}): calibrated "
-            "on it; pass your own batches as `calibrate`")
+            "on it; pass your own batches as `calibrate`"
+        )
         new = checked(model, the_plan, x, inputs, train, convert, pinned=found)
     return new
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import keras
 
-from keras_mp._decision import ALONE, Pin, Plan
-from keras_mp._tree import (
+from keras_mp.keep_list.decision import ALONE, Pin, Plan
+from keras_mp.keep_list.tree import (
     addresses,
     graph_nodes,
     layer_tree,
@@ -108,7 +108,12 @@ _PROJECTIONS = (
 _PROJECTION_NAMES = ("ReversibleEmbedding",)
 _SOFTMAX_NAMES = ("softmax", "log_softmax")
 _SQUASHING = _SOFTMAX_NAMES + (
-    "sigmoid", "log_sigmoid", "hard_sigmoid", "tanh", "softsign", "softplus"
+    "sigmoid",
+    "log_sigmoid",
+    "hard_sigmoid",
+    "tanh",
+    "softsign",
+    "softplus",
 )
 
 
@@ -278,8 +283,8 @@ def plan(
             float32 layers of a low-precision source model (a loaded model's float32 layers
             may only have missed its dtype).
         exact: `(layer, reason)` pins of the layer alone: not lifted, and its sublayers
-            keep their own dtype (the run check's pins: `keras_mp._runcheck`, and the tight
-            pins of calibration, which were checked by running the converted model).
+            keep their own dtype (the run check's pins: `keras_mp.conversion.runcheck`,
+            and the tight pins of calibration, which were checked by running the converted model).
 
     Returns:
         A `Plan`.
@@ -318,8 +323,11 @@ def plan(
             parent = parents.get(id(top))
         return top
 
-    roots = {id(layer): (layer, Pin(where[id(layer)], type(layer).__name__, reason))
-             for layer, reason in (keep or ()) if id(layer) in where}
+    roots = {
+        id(layer): (layer, Pin(where[id(layer)], type(layer).__name__, reason))
+        for layer, reason in (keep or ())
+        if id(layer) in where
+    }
     for layer, reason in wanted:
         target, note = layer, ""
         if not (_is_softmax_layer(layer) or is_router(layer) or isinstance(layer, keras.Model)):

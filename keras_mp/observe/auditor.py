@@ -19,9 +19,9 @@ import keras
 import numpy as np
 
 from keras_mp import keep_list
-from keras_mp._audit_report import AuditReport, LayerAudit, VariableAudit
-from keras_mp._probe import gradients, to_numpy, trace, unpack
+from keras_mp.conversion.probe import gradients, to_numpy, trace, unpack
 from keras_mp.keep_list import emits_logits
+from keras_mp.observe.audit_report import AuditReport, LayerAudit, VariableAudit
 
 __all__ = ["AuditReport", "LayerAudit", "VariableAudit", "audit"]
 
@@ -76,8 +76,10 @@ def _fp32_reason(layer, is_output: bool, keep_fp32, lean: bool = False) -> str |
         return "normalization"
     if names & set(_ATTENTION):
         return "attention softmax"
-    if is_output and not keep_list.sublayers(layer) and not (
-        emits_logits(layer) and (layer.variable_dtype == "float32" or lean)
+    if (
+        is_output
+        and not keep_list.sublayers(layer)
+        and not (emits_logits(layer) and (layer.variable_dtype == "float32" or lean))
     ):
         # A logits projection with FP32 master weights (or lean_bfloat16's compensated
         # bfloat16 weights) may run low: the loss up-casts.
@@ -86,7 +88,8 @@ def _fp32_reason(layer, is_output: bool, keep_fp32, lean: bool = False) -> str |
         if isinstance(entry, type) and isinstance(layer, entry):
             return f"keep_fp32 {entry.__name__}"
         if isinstance(entry, str) and (
-            entry in names or fnmatch.fnmatch(layer.name, entry)
+            entry in names
+            or fnmatch.fnmatch(layer.name, entry)
             or fnmatch.fnmatch(getattr(layer, "path", ""), entry)
         ):
             return f"keep_fp32 {entry!r}"
@@ -242,8 +245,10 @@ def audit(
         and not any(r.layer.compute_dtype == "float16" for r in records)
     )
     if unscaled_bf16:
-        scale_source = "the model computes in bfloat16, which needs no loss scaling; " \
+        scale_source = (
+            "the model computes in bfloat16, which needs no loss scaling; "
             "the gradient columns are float16's, for comparison"
+        )
     message = _stock_scaler_message(model)
     if message:
         notes.append(message)
@@ -274,30 +279,34 @@ def audit(
         m = rec.output_max
         dims = _matmul_dims(layer)
         own = list(layer._trainable_variables)
-        rows.append(LayerAudit(
-            name=layer.name,
-            class_name=type(layer).__name__,
-            compute_dtype=layer.compute_dtype,
-            variable_dtype=layer.variable_dtype,
-            path=rec.address,
-            depth=rec.depth,
-            fp32_reason=reason,
-            runs_low=bool(reason) and low and not _handles_own_precision(layer),
-            max_abs_activation=m,
-            max_abs_input=rec.input_max,
-            overflow_risk=m is not None and m > FP16_MAX and (
-                layer.compute_dtype == "float16" or (model_fp32 and not low)
-            ),
-            matmul_dims=dims,
-            misaligned_dims=tuple(d for d in dims if d % 8),
-            variables=[
-                VariableAudit(
-                    path=v.path, shape=tuple(v.shape), dtype=v.dtype,
-                    **(_gradient_facts(grads[id(v)], scale) if id(v) in grads else {}),
-                )
-                for v in own
-            ],
-        ))
+        rows.append(
+            LayerAudit(
+                name=layer.name,
+                class_name=type(layer).__name__,
+                compute_dtype=layer.compute_dtype,
+                variable_dtype=layer.variable_dtype,
+                path=rec.address,
+                depth=rec.depth,
+                fp32_reason=reason,
+                runs_low=bool(reason) and low and not _handles_own_precision(layer),
+                max_abs_activation=m,
+                max_abs_input=rec.input_max,
+                overflow_risk=m is not None
+                and m > FP16_MAX
+                and (layer.compute_dtype == "float16" or (model_fp32 and not low)),
+                matmul_dims=dims,
+                misaligned_dims=tuple(d for d in dims if d % 8),
+                variables=[
+                    VariableAudit(
+                        path=v.path,
+                        shape=tuple(v.shape),
+                        dtype=v.dtype,
+                        **(_gradient_facts(grads[id(v)], scale) if id(v) in grads else {}),
+                    )
+                    for v in own
+                ],
+            )
+        )
     converted = hasattr(model, "precision_plan") or isinstance(
         model.dtype_policy, keras.dtype_policies.DTypePolicyMap
     )
@@ -311,8 +320,8 @@ def audit(
 
 def _run_failure(model, x) -> str | None:
     """convert's run check on a low-precision model: the layer that cannot run compiled
-    in its compute dtype (`keras_mp._trial.forward_failure`), as a note, or None."""
-    from keras_mp._trial import forward_failure
+    in its compute dtype (`keras_mp.conversion.trial.forward_failure`), as a note, or None."""
+    from keras_mp.conversion.trial import forward_failure
 
     if all(x_.compute_dtype not in _LOW for x_ in model._flatten_layers(include_self=True)):
         return None
@@ -320,14 +329,16 @@ def _run_failure(model, x) -> str | None:
     if found is None:
         return None
     where = f"layer {found.address!r}" if found.address else f"model {model.name!r}"
-    return (f"run check: {where} cannot run compiled in its compute dtype ({found.error[:120]})"
-            "; kmp.convert(the float32 model, policy) pins it to float32 (check='auto')")
+    return (
+        f"run check: {where} cannot run compiled in its compute dtype ({found.error[:120]})"
+        "; kmp.convert(the float32 model, policy) pins it to float32 (check='auto')"
+    )
 
 
 def _state(model) -> dict | None:
     """The model's persistent training state (`kmp.state_bytes`), without building an
     optimizer that has not been built (the audit changes nothing)."""
-    from keras_mp.memory import state_bytes
+    from keras_mp.lean.memory import state_bytes
 
     try:
         return state_bytes(model, build=False).to_dict()
@@ -338,7 +349,7 @@ def _state(model) -> dict | None:
 def _proposal(model, x, margin: float, model_fp32: bool):
     """The calibrated mixed_float16 plan for `model` on `x` (None where it cannot be made)."""
     from keras_mp import policies
-    from keras_mp.convert import convert, plan
+    from keras_mp.conversion.converter import convert, plan
 
     policy = model.dtype_policy
     default = getattr(policy, "default_policy", policy)
@@ -367,8 +378,11 @@ def _range_pins(report: AuditReport) -> list:
     float32 = {la.path for la in report.layers if la.compute_dtype == "float32"}
     if report.layers and all(la.compute_dtype == "float32" for la in report.layers):
         float32 = set()  # a float32 model: every proposed pin is news
-    return [p for p in proposal.pins
-            if p.reason.startswith(("calibration", "non-finite")) and p.path not in float32]
+    return [
+        p
+        for p in proposal.pins
+        if p.reason.startswith(("calibration", "non-finite")) and p.path not in float32
+    ]
 
 
 def _conclude(
@@ -378,10 +392,18 @@ def _conclude(
     over = [la for la in report.layers if la.overflow_risk]
     low = [la for la in report.layers if la.runs_low]
     scale = report.loss_scale
-    under = [(la, v) for la in report.layers for v in la.variables
-             if float16_grads and (v.grad_underflow_at_scale or 0) > threshold]
-    too_big = [(la, v) for la in report.layers for v in la.variables
-               if float16_grads and (v.grad_overflow_at_scale or 0) > 0]
+    under = [
+        (la, v)
+        for la in report.layers
+        for v in la.variables
+        if float16_grads and (v.grad_underflow_at_scale or 0) > threshold
+    ]
+    too_big = [
+        (la, v)
+        for la in report.layers
+        for v in la.variables
+        if float16_grads and (v.grad_overflow_at_scale or 0) > 0
+    ]
     pad = [la for la in report.layers if la.misaligned_dims]
     proposed = _range_pins(report)
     if over and not proposed:
@@ -395,8 +417,11 @@ def _conclude(
         cal = report.proposal.calibration
         listed = ", ".join(f"{p.path!r} ({p.reason.split(': ', 1)[-1]})" for p in proposed[:4])
         more = f" and {len(proposed) - 4} more" if len(proposed) > 4 else ""
-        cost = "" if cal.fp32_flops is None else (
-            f" ({100 * cal.fp32_flops:.1f}% of the matmul FLOPs in float32)")
+        cost = (
+            ""
+            if cal.fp32_flops is None
+            else (f" ({100 * cal.fp32_flops:.1f}% of the matmul FLOPs in float32)")
+        )
         advice.append(
             f"For float16, pin {len(proposed)} layer(s): {listed}{more}{cost}. "
             "kmp.convert(float32_model, 'mixed_float16', calibrate=data) does it; "
@@ -422,8 +447,9 @@ def _conclude(
     suggested = _suggest_scale(report.layers)
     if under:
         la, v = max(under, key=lambda p: p[1].grad_underflow_at_scale)
-        better = f" (about 2**{int(math.log2(suggested))})" if suggested and suggested > scale \
-            else ""
+        better = (
+            f" (about 2**{int(math.log2(suggested))})" if suggested and suggested > scale else ""
+        )
         advice.append(
             f"{v.grad_underflow_at_scale:.1%} of the gradient elements of {v.path!r} underflow in "
             f"float16 at loss scale {scale:g}: raise the loss scale{better}, or use bfloat16."

@@ -19,8 +19,9 @@ import math
 from typing import NamedTuple
 
 import keras
+import numpy as np
 
-from keras_mp import lean_codecs
+from keras_mp.lean import codecs as lean_codecs
 
 __all__ = ["Placement", "blocks", "codes_layouts", "per_device_bytes", "placement", "state_layout"]
 
@@ -175,7 +176,6 @@ def per_device_bytes(variables) -> dict:
         `{device: bytes}`; on a backend without device placement of shards (TensorFlow),
         `{"all": total bytes}`.
     """
-    from keras_mp.memory import variable_bytes
 
     out: dict = {}
     for variable in variables:
@@ -188,3 +188,9 @@ def per_device_bytes(variables) -> dict:
             out[shard.device] = out.get(shard.device, 0) + int(shard.data.nbytes)
     return out
 
+
+def variable_bytes(variable) -> int:
+    """Bytes of one variable's values (bfloat16: 2 a value)."""
+    dtype = keras.backend.standardize_dtype(variable.dtype)
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    return math.prod(variable.shape) * itemsize

@@ -14,8 +14,14 @@ import os
 import numpy as np
 
 __all__ = [
-    "FORMAT", "LOSS_FACTOR", "ROUNDING_FACTOR", "VERSION", "DiffReport", "FingerprintError",
-    "diff", "load",
+    "FORMAT",
+    "LOSS_FACTOR",
+    "ROUNDING_FACTOR",
+    "VERSION",
+    "DiffReport",
+    "FingerprintError",
+    "diff",
+    "load",
 ]
 
 FORMAT = "keras_mp.fingerprint"
@@ -24,12 +30,26 @@ ROUNDING_FACTOR = 8.0
 LOSS_FACTOR = 0.1
 # Unit roundoff (half the gap above 1.0) of the formats a model computes or stores in.
 _UNIT_ROUNDOFF = {
-    "float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
-    "float8_e4m3fn": 2.0**-4, "float8_e5m2": 2.0**-3,
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+    "float8_e4m3fn": 2.0**-4,
+    "float8_e5m2": 2.0**-3,
 }
 _META_KEYS = (  # settings worth naming when they differ, in that order
-    "backend", "policy", "compute_dtypes", "jit_compile", "optimizer", "replicas",
-    "tf_op_determinism", "deterministic", "env", "versions", "machine", "every_n_steps",
+    "backend",
+    "policy",
+    "compute_dtypes",
+    "jit_compile",
+    "optimizer",
+    "replicas",
+    "tf_op_determinism",
+    "deterministic",
+    "env",
+    "versions",
+    "machine",
+    "every_n_steps",
 )
 
 
@@ -84,20 +104,27 @@ class DiffReport:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        weights = (f"weights' distance {self.distance:.3g} vs bound {self.bound:.3g} "
-                   f"({_ratio(self.distance, self.bound)}) at step {self.record_step}")
-        own = (f"{self.variable!r}: {self.variable_distance:.3g} vs its bound "
-               f"{self.variable_bound:.3g}" if self.variable else "")
+        weights = (
+            f"weights' distance {self.distance:.3g} vs bound {self.bound:.3g} "
+            f"({_ratio(self.distance, self.bound)}) at step {self.record_step}"
+        )
+        own = (
+            f"{self.variable!r}: {self.variable_distance:.3g} vs its bound "
+            f"{self.variable_bound:.3g}"
+            if self.variable
+            else ""
+        )
         if self.verdict == "identical":
             lines = [f"identical: {self.steps_compared} records agree bit for bit"]
         elif self.verdict == "rounding":
-            lines = [f"rounding: same trajectory up to rounding over {self.steps_compared} "
-                     "records"]
+            lines = [f"rounding: same trajectory up to rounding over {self.steps_compared} records"]
             if self.variable is not None:
                 lines.append(f"  closest to the bound: {weights}; nearest its own bound: {own}")
         else:
-            lines = [f"diverged at step {self.step}"
-                     + (f", first in variable {self.variable!r}" if self.variable else "")]
+            lines = [
+                f"diverged at step {self.step}"
+                + (f", first in variable {self.variable!r}" if self.variable else "")
+            ]
             lines.append(f"  likely cause: {self.cause}")
             if self.variable is not None:
                 lines.append(f"  {weights}; {own}")
@@ -168,9 +195,12 @@ def _check(data, name: str) -> None:
     m = data.get("meta", {}).get("sketch_size")
     for r in records:
         vs = r.get("vars") if isinstance(r, dict) else None
-        if not isinstance(r.get("step"), int) or not isinstance(vs, list) or len(vs) != len(
-            variables
-        ) or any(len(v) != 5 or len(v[4]) != m for v in vs):
+        if (
+            not isinstance(r.get("step"), int)
+            or not isinstance(vs, list)
+            or len(vs) != len(variables)
+            or any(len(v) != 5 or len(v[4]) != m for v in vs)
+        ):
             raise FingerprintError(f"{name}: malformed record {r.get('step', '?')!r}")
 
 
@@ -213,9 +243,15 @@ def _context(a: dict, b: dict) -> list:
     fa, fb = _flatten(a), _flatten(b)
     return [
         f"{key}: {_show(fa.get(key))} vs {_show(fb.get(key))}"
-        for key in sorted(set(fa) | set(fb), key=lambda k: (_META_KEYS.index(k.split(".")[0])
-                                                            if k.split(".")[0] in _META_KEYS
-                                                            else len(_META_KEYS), k))
+        for key in sorted(
+            set(fa) | set(fb),
+            key=lambda k: (
+                _META_KEYS.index(k.split(".")[0])
+                if k.split(".")[0] in _META_KEYS
+                else len(_META_KEYS),
+                k,
+            ),
+        )
         if fa.get(key) != fb.get(key)
     ]
 
@@ -250,7 +286,7 @@ def diff(a, b, *, factor: float = ROUNDING_FACTOR, loss_factor: float = LOSS_FAC
     >>> report.verdict, report.step, report.variable  # doctest: +SKIP
     ('diverged', 7, 'sequential/dense/kernel')
     """
-    from keras_mp._fingerprint_classify import Run, classify
+    from keras_mp.fingerprint.classify import Run, classify
 
     da = load(a, None if isinstance(a, (str, os.PathLike)) else "A")
     db = load(b, None if isinstance(b, (str, os.PathLike)) else "B")

@@ -46,7 +46,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_mp._fingerprint_diff import (
+from keras_mp.fingerprint.diff import (
     FORMAT,
     LOSS_FACTOR,
     ROUNDING_FACTOR,
@@ -56,7 +56,7 @@ from keras_mp._fingerprint_diff import (
     diff,
     load,
 )
-from keras_mp._fingerprint_state import (
+from keras_mp.fingerprint.state import (
     Source,
     hash_all,
     loss_entry,
@@ -117,7 +117,7 @@ class Recorder:
     """
 
     def __init__(self, model, optimizer=None, every_n_steps: int = 100, sketch_size: int = 8):
-        from keras_mp._telemetry import positive_int
+        from keras_mp.observe.telemetry import positive_int
 
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
@@ -206,7 +206,8 @@ class Recorder:
         if self._lso is not None:
             scale = (
                 float(np.asarray(self._source.value(self._lso.dynamic_scale, state)))
-                if self._lso.built else float(self._lso.initial_scale)
+                if self._lso.built
+                else float(self._lso.initial_scale)
             )
         record = {
             "step": self.steps,
@@ -243,6 +244,7 @@ class Recorder:
         """Writes the fingerprint as JSON (one record per line) and returns the path."""
         path = os.fspath(path)
         data = self.to_dict()
+
         def lines(items):
             return ",\n".join("  " + json.dumps(x, separators=(",", ":")) for x in items)
 

@@ -23,6 +23,8 @@ from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils.backend_utils import DynamicBackend
 from keras.src.utils.tracking import DotNotTrackScope
 
+from keras_mp.recast import float32_statistics, own_variables, recast_variables
+
 __all__ = ["copy_model", "float32_statistics", "pair_layers", "pair_variables", "recast_variables"]
 
 _COPY_LOCK = threading.Lock()
@@ -166,14 +168,10 @@ def copy_model(model: keras.Model) -> tuple[keras.Model, bool]:
             ) from e
 
 
-def _own_variables(layer) -> list:
-    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
-
-
 def _walk(old, new, pairs: list, unmatched: list, where: str, layers: list) -> None:
     """Pairs `old`'s and `new`'s own variables, then their children, recursively."""
     layers.append((old, new))
-    own_old, own_new = _own_variables(old), _own_variables(new)
+    own_old, own_new = own_variables(old), own_variables(new)
     names_old, names_new = [v.name for v in own_old], [v.name for v in own_new]
     if len(set(names_old)) == len(names_old) and sorted(names_old) == sorted(names_new):
         by_name = {v.name: v for v in own_new}
@@ -264,53 +262,3 @@ def pair_variables(model: keras.Model, new: keras.Model) -> list:
             f"{bad[:3]} (path, source shape, copy shape)."
         )
     return pairs
-
-
-def recast_variables(model: keras.Model, trainable_only: bool = False) -> int:
-    """Gives every float variable its layer's variable dtype, in place.
-
-    For a model whose layers' policies changed after their variables were made (a pure
-    float16/bfloat16 policy given to a float32 model): each floating variable whose dtype
-    differs from its layer's `variable_dtype` is re-created in that dtype, values rounded,
-    the `Variable` object kept (every reference to it stays valid).
-
-    Args:
-        model: A built model.
-        trainable_only: recast only trainable variables (`lean_bfloat16`: statistics such
-            as BatchNormalization's moving mean and variance stay float32, their slow
-            averages would stall in bfloat16).
-
-    Returns:
-        The number of variables recast.
-    """
-    count = 0
-    for layer in model._flatten_layers(include_self=True):
-        want = layer.variable_dtype
-        for variable in _own_variables(layer):
-            if not keras.backend.is_float_dtype(variable.dtype) or variable.dtype == want:
-                continue
-            if trainable_only and not variable.trainable:
-                continue
-            _recast(variable, want)
-            count += 1
-    return count
-
-
-def float32_statistics(model: keras.Model) -> int:
-    """Re-creates the model's non-trainable low-precision float variables (normalization
-    statistics) in float32, in place, the `Variable` objects kept. Returns how many."""
-    count = 0
-    for layer in model._flatten_layers(include_self=True):
-        for variable in _own_variables(layer):
-            dtype = keras.backend.standardize_dtype(variable.dtype)
-            if variable.trainable or dtype not in ("float16", "bfloat16"):
-                continue
-            _recast(variable, "float32")
-            count += 1
-    return count
-
-
-def _recast(variable, want: str) -> None:
-    value = keras.ops.cast(np.asarray(keras.ops.convert_to_numpy(variable.value)), want)
-    variable._dtype = want
-    variable._initialize(variable._convert_to_tensor(value, dtype=want))

@@ -30,8 +30,9 @@ class Run:
         self.records = {r["step"]: r for r in data["records"]}
         self.losses = _per_step(data["records"], "losses")
         tracked = all(r.get("skipped") is not None for r in data["records"])
-        self.skips = {s for r in data["records"] for s in r.get("skipped_steps", [])} \
-            if tracked else None
+        self.skips = (
+            {s for r in data["records"] for s in r.get("skipped_steps", [])} if tracked else None
+        )
 
     def sketch(self, step: int) -> np.ndarray:
         return np.array([v[4] for v in self.records[step]["vars"]], dtype=np.float64)
@@ -42,8 +43,11 @@ def _spread(A: Run, B: Run) -> float:
     steps = []
     for run in (A, B):
         ls = run.losses
-        steps += [abs(ls[s] - ls[s - 1]) for s in ls
-                  if ls.get(s) is not None and ls.get(s - 1) is not None]
+        steps += [
+            abs(ls[s] - ls[s - 1])
+            for s in ls
+            if ls.get(s) is not None and ls.get(s - 1) is not None
+        ]
     return float(np.median(steps)) if steps else 0.0
 
 
@@ -67,8 +71,9 @@ def _distances(A, B, k, st, size, u_c, u_w, factor):
     with np.errstate(all="ignore"):
         dist = np.where(same, 0.0, np.linalg.norm(za - zb, axis=1))
         if st.prev is not None:
-            motion = np.maximum(np.linalg.norm(za - st.prev[0], axis=1),
-                                np.linalg.norm(zb - st.prev[1], axis=1))
+            motion = np.maximum(
+                np.linalg.norm(za - st.prev[0], axis=1), np.linalg.norm(zb - st.prev[1], axis=1)
+            )
             st.s2 += np.nan_to_num(motion, nan=0.0, posinf=0.0) ** 2
         norm = np.array([max(x[2], y[2]) for x, y in zip(ra["vars"], rb["vars"])])
         norm2 = np.nan_to_num(norm**2 * size, nan=0.0, posinf=0.0)
@@ -82,8 +87,18 @@ def _distances(A, B, k, st, size, u_c, u_w, factor):
     return same, dist, bound, total, total_bound
 
 
-def classify(A: Run, B: Run, common: list, variables: list, u_c: float, u_w, size,
-             factor: float, loss_factor: float, recipe: list) -> dict:
+def classify(
+    A: Run,
+    B: Run,
+    common: list,
+    variables: list,
+    u_c: float,
+    u_w,
+    size,
+    factor: float,
+    loss_factor: float,
+    recipe: list,
+) -> dict:
     """Walks the common records in order; returns the fields of a `DiffReport`."""
     spread = _spread(A, B)
     st = _State(len(variables))
@@ -94,20 +109,45 @@ def classify(A: Run, B: Run, common: list, variables: list, u_c: float, u_w, siz
         ra, rb = A.records[k], B.records[k]
         scale_split = ra.get("scale") != rb.get("scale")
         drift = ra.get("replica_drift") or rb.get("replica_drift")
-        if not (same.all() and ra["optimizer_hash"] == rb["optimizer_hash"] and not scale_split
-                and all(A.losses.get(s) == B.losses.get(s) for s in range(lo, k + 1))):
+        if not (
+            same.all()
+            and ra["optimizer_hash"] == rb["optimizer_hash"]
+            and not scale_split
+            and all(A.losses.get(s) == B.losses.get(s) for s in range(lo, k + 1))
+        ):
             st.identical = False
         beyond = not same.all() and (k == 0 or bool(recipe) or total > total_bound)
         if event or beyond or scale_split or drift:
-            return _diverged(A, B, k, st, variables, same, dist, bound, total, total_bound,
-                             event, scale_split, drift, recipe, n + 1, spread)
+            return _diverged(
+                A,
+                B,
+                k,
+                st,
+                variables,
+                same,
+                dist,
+                bound,
+                total,
+                total_bound,
+                event,
+                scale_split,
+                drift,
+                recipe,
+                n + 1,
+                spread,
+            )
         ratio = total / total_bound if total_bound > 0 else 0.0
         st.ratios.append(ratio)
         if total > 0 and (st.worst is None or ratio > st.worst[0]):
-            st.worst = (ratio, {
-                "distance": total, "bound": total_bound, "record_step": k,
-                **_variable_fields(variables, same, dist, bound, closest=True),
-            })
+            st.worst = (
+                ratio,
+                {
+                    "distance": total,
+                    "bound": total_bound,
+                    "record_step": k,
+                    **_variable_fields(variables, same, dist, bound, closest=True),
+                },
+            )
         st.prev = (*st.prev_sketches, k, dist)
     if st.identical:
         return {"verdict": "identical", "record_step": common[-1], "steps_compared": len(common)}
@@ -120,8 +160,12 @@ def classify(A: Run, B: Run, common: list, variables: list, u_c: float, u_w, siz
         )
     if st.worst is None:
         evidence.append("the weights agree bit for bit; only the losses or optimizer state differ")
-    return {"verdict": "rounding", **(st.worst[1] if st.worst else {}),
-            "evidence": tuple(evidence), "steps_compared": len(common)}
+    return {
+        "verdict": "rounding",
+        **(st.worst[1] if st.worst else {}),
+        "evidence": tuple(evidence),
+        "steps_compared": len(common),
+    }
 
 
 def _variable_fields(variables, same, dist, bound, closest=False, onset=False) -> dict:
@@ -138,8 +182,11 @@ def _variable_fields(variables, same, dist, bound, closest=False, onset=False) -
         i = int(np.argmax(ratios > 1))
     else:
         i = int(np.argmax(ratios))
-    return {"variable": variables[i]["path"], "variable_distance": float(dist[i]),
-            "variable_bound": float(bound[i])}
+    return {
+        "variable": variables[i]["path"],
+        "variable_distance": float(dist[i]),
+        "variable_bound": float(bound[i]),
+    }
 
 
 def _loss_tolerance(a: float, b: float, spread: float, u_c: float, loss_factor: float) -> float:
@@ -166,8 +213,11 @@ def _first_event(A, B, lo, k, spread, u_c, loss_factor, st):
 
 
 def _largest_loss_gap(A: Run, B: Run, last: int):
-    gaps = [abs(A.losses[s] - B.losses[s]) for s in A.losses
-            if s <= last and A.losses.get(s) is not None and B.losses.get(s) is not None]
+    gaps = [
+        abs(A.losses[s] - B.losses[s])
+        for s in A.losses
+        if s <= last and A.losses.get(s) is not None and B.losses.get(s) is not None
+    ]
     return max(gaps) if gaps else None
 
 
@@ -176,8 +226,24 @@ def _steps(steps) -> str:
     return ", ".join(map(str, steps[:5])) + (" ..." if len(steps) > 5 else "")
 
 
-def _diverged(A, B, k, st, variables, same, dist, bound, total, total_bound, event,
-              scale_split, drift, recipe, compared, spread):
+def _diverged(
+    A,
+    B,
+    k,
+    st,
+    variables,
+    same,
+    dist,
+    bound,
+    total,
+    total_bound,
+    event,
+    scale_split,
+    drift,
+    recipe,
+    compared,
+    spread,
+):
     lo = st.prev[2] + 1 if st.prev else 0
     evidence, causes = [], []
     step = event[1] if event else k
@@ -209,16 +275,22 @@ def _diverged(A, B, k, st, variables, same, dist, bound, total, total_bound, eve
     gradual = bool(st.ratios) and st.ratios[-1] >= 0.25 or st.loss_gap >= 0.25
     if event and event[0] == "loss":
         la, lb = A.losses[step], B.losses[step]
-        text = (f"the loss of step {step} differs: {la:.6g} in A, {lb:.6g} in B "
-                f"(median step-to-step change {spread:.3g})")
+        text = (
+            f"the loss of step {step} differs: {la:.6g} in A, {lb:.6g} in B "
+            f"(median step-to-step change {spread:.3g})"
+        )
         agreed = st.prev is not None and not (st.prev[3] > 0).any()
         if step == lo and agreed:
-            why = ("different first batch (data order, shuffling or preprocessing)" if step == 1
-                   else f"the batch of step {step} differs (data order, or a different shard)")
+            why = (
+                "different first batch (data order, shuffling or preprocessing)"
+                if step == 1
+                else f"the batch of step {step} differs (data order, or a different shard)"
+            )
             causes.append(f"{why}: {text}, with identical weights before it")
         elif step == lo or not gradual:
-            causes.append(f"the batch of step {step} differs, or the update of step {step - 1} "
-                          f"did: {text}")
+            causes.append(
+                f"the batch of step {step} differs, or the update of step {step - 1} did: {text}"
+            )
         else:
             evidence.append(text)
     if not causes:
@@ -235,10 +307,16 @@ def _diverged(A, B, k, st, variables, same, dist, bound, total, total_bound, eve
                 "different update: learning rate, optimizer state, gradient)"
             )
     return {
-        "verdict": "diverged", "step": step, "cause": causes[0] if causes else evidence[0],
-        "record_step": k, "loss_step": step if event and event[0] == "loss" else None,
-        "evidence": tuple(causes[1:] + evidence), "steps_compared": compared,
-        "distance": total, "bound": total_bound,
-        **_variable_fields(variables, same, dist, bound,
-                           onset=st.prev is None or not (st.prev[3] > 0).any()),
+        "verdict": "diverged",
+        "step": step,
+        "cause": causes[0] if causes else evidence[0],
+        "record_step": k,
+        "loss_step": step if event and event[0] == "loss" else None,
+        "evidence": tuple(causes[1:] + evidence),
+        "steps_compared": compared,
+        "distance": total,
+        "bound": total_bound,
+        **_variable_fields(
+            variables, same, dist, bound, onset=st.prev is None or not (st.prev[3] > 0).any()
+        ),
     }

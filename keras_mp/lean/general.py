@@ -35,7 +35,9 @@ from keras import ops
 from keras.src.backend.common import global_state
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-from keras_mp import lean_codecs, lean_sharding
+from keras_mp.lean import codecs as lean_codecs
+from keras_mp.lean import sharding as lean_sharding
+from keras_mp.lean.rule import read
 
 __all__ = ["GeneralState", "REFUSED", "UNSIGNED_SLOTS"]
 
@@ -146,8 +148,11 @@ class GeneralState:
         with keras.StatelessScope(initialize_variables=False):
             placeholders = [
                 keras.Variable(
-                    keras.initializers.Zeros(), shape=tuple(v.shape), dtype="float32",
-                    trainable=False, name=v.name,
+                    keras.initializers.Zeros(),
+                    shape=tuple(v.shape),
+                    dtype="float32",
+                    trainable=False,
+                    name=v.name,
                 )
                 for v in var_list
             ]
@@ -167,7 +172,8 @@ class GeneralState:
                 continue
             owner = next(
                 (
-                    i for i, (v, prefix) in enumerate(zip(var_list, prefixes))
+                    i
+                    for i, (v, prefix) in enumerate(zip(var_list, prefixes))
                     if slot.name.startswith(prefix) and tuple(slot.shape) == tuple(v.shape)
                 ),
                 None,
@@ -177,7 +183,7 @@ class GeneralState:
                 if not np.any(ops.convert_to_numpy(initial) != 0):
                     initial = None
             if owner is not None:
-                name = slot.name[len(prefixes[owner]):]
+                name = slot.name[len(prefixes[owner]) :]
                 variable = var_list[owner]
                 place = lean_sharding.placement(variable, outer.shard_over_data)
                 blocks = lean_sharding.blocks(place, variable.shape, outer.block_size)
@@ -193,7 +199,9 @@ class GeneralState:
                 storage = ("moment", fmt, codes, scales, not signed, blocks)
             else:
                 codes = outer.add_variable(
-                    tuple(slot.shape), dtype=slot.dtype, name=f"{inner.name}_{k}_{slot.name}",
+                    tuple(slot.shape),
+                    dtype=slot.dtype,
+                    name=f"{inner.name}_{k}_{slot.name}",
                     initializer="zeros" if initial is None else _constant(initial),
                 )
                 storage = ("plain", codes)
@@ -207,11 +215,15 @@ class GeneralState:
 
     def _decode(self, storage, shape):
         if storage[0] == "plain":
-            return _read(storage[1])
+            return read(storage[1])
         _, fmt, codes, scales, unsigned, blocks = storage
         return lean_codecs.decode_moment(
-            _read(codes), None if scales is None else _read(scales), fmt, not unsigned,
-            shape, blocks,
+            read(codes),
+            None if scales is None else read(scales),
+            fmt,
+            not unsigned,
+            shape,
+            blocks,
         )
 
     def apply(self, outer, grads, variables, learning_rate) -> None:
@@ -230,7 +242,7 @@ class GeneralState:
             grads_of.append(g)
             finite[i] = ops.all(ops.isfinite(g))
             comp = outer._slots[i]["compensation"]
-            stored[i] = (_read(variable), None if comp is None else _read(comp))
+            stored[i] = (read(variable), None if comp is None else read(comp))
         all_finite = functools.reduce(ops.logical_and, finite.values())
         placeholders = [self.placeholders[i] for i in index]
         # every value the update reads, read now: reads inside the scope below see only
@@ -280,7 +292,9 @@ class GeneralState:
             if owner is not None and storage[1] != "float32":
                 k = used[owner] = used[owner] + 1
                 noise = (
-                    noises[owner][k] if k < 3 else lean_codecs.uniforms(
+                    noises[owner][k]
+                    if k < 3
+                    else lean_codecs.uniforms(
                         tuple(slot.shape), iterations * 1000003 + owner * 7919 + 7777 * k, 1
                     )[0]
                 )
@@ -288,7 +302,7 @@ class GeneralState:
             encoded = self._encode(storage, ops.cast(value, "float32"), noise)
             for target, value in zip(targets, encoded):
                 if target is not None:
-                    outer.assign(target, ops.where(keep, value, _read(target)))
+                    outer.assign(target, ops.where(keep, value, read(target)))
 
 
 def _state_variables(inner, placeholders) -> list:
@@ -325,9 +339,3 @@ def _dense(g):
 
         return tf.convert_to_tensor(g)
     return g
-
-
-def _read(variable):
-    from keras_mp.lean import _read as read
-
-    return read(variable)

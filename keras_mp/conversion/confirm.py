@@ -2,9 +2,9 @@
 
 `overflowing` runs a converted model on the calibration batches, watched as `measure`
 watched the float32 one, and names the layers whose output is non-finite (or collapsed) in
-the low dtype though fine in float32: what `keras_mp.calibrate.calibrated_plan` grows a pin
-for, one round at a time. `pruned` then undoes each round the finite model shows it no
-longer needs.
+the low dtype though fine in float32: what
+`keras_mp.conversion.calibration.calibrated_plan` grows a pin for, one round at a time.
+`pruned` then undoes each round the finite model shows it no longer needs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import keras
 
-from keras_mp._probe import trace
+from keras_mp.conversion.probe import trace
 
 __all__ = ["overflowing", "pruned"]
 
@@ -40,8 +40,7 @@ def overflowing(new: keras.Model, items: list, ranges: dict) -> list:
         fp32 = ranges[address]
         if math.isinf(low_out) and math.isfinite(fp32.output_max):
             bad.append((address, math.isfinite(low_in)))
-        elif _collapsed(fp32.input_max, low_in) is False and _collapsed(
-                fp32.output_max, low_out):
+        elif _collapsed(fp32.input_max, low_in) is False and _collapsed(fp32.output_max, low_out):
             bad.append((address, True))
     return bad
 

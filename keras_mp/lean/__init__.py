@@ -1,0 +1,32 @@
+"""The lean training state: bfloat16 weights with compensated updates and compact moments.
+
+The face of the subpackage: `LeanOptimizer` (`optimizer.py`), its pure update rule
+(`rule.py`), the storage formats (`codecs.py`), the general path for any other Keras
+optimizer (`general.py`), the state's layout across devices (`sharding.py`) and
+`state_bytes` (`memory.py`).
+"""
+
+from keras_mp.lean import codecs, general, rule, sharding
+from keras_mp.lean.memory import StateBytes, state_bytes, variable_bytes
+from keras_mp.lean.optimizer import (
+    DEFAULT_MOMENTS,
+    DEFAULT_ROUNDING,
+    SUPPORTED,
+    LeanOptimizer,
+)
+from keras_mp.lean.rule import lean_rule
+
+__all__ = [
+    "DEFAULT_MOMENTS",
+    "DEFAULT_ROUNDING",
+    "LeanOptimizer",
+    "SUPPORTED",
+    "StateBytes",
+    "codecs",
+    "general",
+    "lean_rule",
+    "rule",
+    "sharding",
+    "state_bytes",
+    "variable_bytes",
+]

@@ -1,0 +1,151 @@
+"""The lean update as one pure function: stored state and gradient in, new state out.
+
+`lean_rule` is what `LeanOptimizer` compiles for each variable (Adam/AdamW/SGD); `read`,
+`constant` and `to_float32` are the small conversions both of the lean paths share.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import keras
+from keras import ops
+
+from keras_mp.lean import codecs as lean_codecs
+
+__all__ = ["Hyper", "Static", "constant", "lean_rule", "read", "to_float32"]
+
+
+class Static(NamedTuple):
+    """What a variable's update is specialised on (its compiled kernel's cache key)."""
+
+    shape: tuple
+    weight_dtype: str
+    m: str | None  # moment formats, None: no such moment
+    v: str | None
+    blocks: lean_codecs.Blocks  # the 8-bit moments' blocks (`lean_sharding.blocks`)
+
+
+class Hyper(NamedTuple):
+    kind: str
+    rounding: str
+    beta_1: float
+    beta_2: float
+    epsilon: float
+    momentum: float
+    nesterov: bool
+
+
+def lean_rule(static: Static, hyper: Hyper, values: dict) -> dict:
+    """One variable's lean update: a pure function of its stored state and gradient.
+
+    Decodes the weight (bfloat16 plus compensation, or float32) and the moments to
+    float32, applies Adam/AdamW (Keras' formula, decoupled weight decay) or SGD with
+    momentum/nesterov in float32, and encodes the results back, the stochastic roundings
+    driven by one hash of (step, variable, element).
+
+    Args:
+        static: shapes and formats (`Static`).
+        hyper: the optimizer's constants (`Hyper`).
+        values: `weight`, `grad`, `lr`, `iterations` (int32, before this step), `seed`
+            (int32, the variable's), and as stored: `compensation`, `m`, `m_scale`, `v`,
+            `v_scale`, `weight_decay` where they apply.
+
+    Returns:
+        A dict with the new `weight` and, where given, `compensation`, `m`, `m_scale`,
+        `v`, `v_scale`; all as given when the gradient has an inf or NaN.
+    """
+    shape = static.shape
+    g = ops.reshape(ops.cast(values["grad"], "float32"), shape)
+    lr = values["lr"]
+    comp = values.get("compensation")
+    w = lean_codecs.decode_weight(values["weight"], comp, hyper.rounding)
+    step = ops.cast(values["iterations"] + 1, "float32")
+    noise_w, noise_m, noise_v = lean_codecs.uniforms(
+        shape, values["iterations"] * 1000003 + values["seed"], 3
+    )
+
+    def moment(name, signed):
+        return lean_codecs.decode_moment(
+            values[name],
+            values.get(name + "_scale"),
+            getattr(static, name),
+            signed,
+            shape,
+            static.blocks,
+        )
+
+    out = {}
+
+    def store(name, x, signed, noise):
+        codes, scale = lean_codecs.encode_moment(
+            x, getattr(static, name), signed, noise, static.blocks
+        )
+        out[name] = codes
+        if scale is not None:
+            out[name + "_scale"] = scale
+
+    update = ops.zeros_like(w)
+    if "weight_decay" in values:
+        update = update - w * (values["weight_decay"] * lr)
+    if hyper.kind in ("adam", "adamw"):
+        m = moment("m", True)
+        v = moment("v", False)
+        m = m + (g - m) * (1.0 - hyper.beta_1)
+        v = v + (ops.square(g) - v) * (1.0 - hyper.beta_2)
+        alpha = (
+            lr
+            * ops.sqrt(1.0 - ops.power(hyper.beta_2, step))
+            / (1.0 - ops.power(hyper.beta_1, step))
+        )
+        update = update - alpha * m / (ops.sqrt(v) + hyper.epsilon)
+        store("m", m, True, noise_m)
+        store("v", v, False, noise_v)
+    elif static.m is not None:
+        m = hyper.momentum * moment("m", True) - lr * g
+        update = update + (hyper.momentum * m - lr * g if hyper.nesterov else m)
+        store("m", m, True, noise_m)
+    else:
+        update = update - lr * g
+    target = w + update
+    if static.weight_dtype == "bfloat16":
+        out["weight"], compensation = lean_codecs.encode_weight(target, hyper.rounding, noise_w)
+        if comp is not None:
+            out["compensation"] = compensation
+    else:
+        out["weight"] = ops.cast(target, static.weight_dtype)
+    # A non-finite gradient (a NaN batch, an overflow) changes neither the weight nor its
+    # state: the stored values are kept as they are (a select, fused into the update).
+    finite = ops.all(ops.isfinite(g))
+    return {k: ops.where(finite, x, values[k]) for k, x in out.items()}
+
+
+def read(variable):
+    """A variable's value as a tensor: a Keras variable's (mapped in a stateless scope) or
+    a backend variable's, as TensorFlow's distributed update passes it.
+
+    Always a tensor, never the variable itself: under a `tf.distribute` strategy a Keras
+    variable's `.value` is a `MirroredVariable`, and a compiled `tf.function` called with
+    one captures it by its shape and dtype, so every later variable of the same shape and
+    dtype would be read from the first one's storage. Read here, inside the strategy's
+    update context, it is this replica's copy."""
+    if isinstance(variable, keras.Variable):
+        variable = variable.value
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(variable)  # a read; Keras' passes variables through
+    return ops.convert_to_tensor(variable)
+
+
+def constant(value):
+    """An initializer giving `value` (None: zeros)."""
+    if value is None:
+        return "zeros"
+    return lambda shape, dtype=None: ops.cast(value, dtype)
+
+
+def to_float32(g):
+    if hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape"):
+        return type(g)(ops.cast(g.values, "float32"), g.indices, g.dense_shape)
+    return ops.cast(g, "float32")

@@ -1,0 +1,21 @@
+"""Seeing what mixed precision does: `audit()` and its report, callbacks, telemetry.
+
+The face of the subpackage: the audit (`auditor.py`, its report in `audit_report.py`),
+the training callbacks (`callbacks.py`: `kmp.callbacks`) and the loss-scale telemetry
+they share (`telemetry.py`).
+"""
+
+from keras_mp.observe import callbacks, telemetry
+from keras_mp.observe.audit_report import AuditReport, LayerAudit, VariableAudit
+from keras_mp.observe.auditor import audit
+from keras_mp.observe.callbacks import LossScaleCollapseError
+
+__all__ = [
+    "AuditReport",
+    "LayerAudit",
+    "LossScaleCollapseError",
+    "VariableAudit",
+    "audit",
+    "callbacks",
+    "telemetry",
+]

@@ -1,0 +1,68 @@
+"""Changing the dtype of a model's variables in place, the `Variable` objects kept.
+
+Used when a model is converted (`recast_variables`: every weight to its layer's variable
+dtype) and when a model built under a keras_mp policy is compiled (`float32_statistics`:
+normalization statistics back to float32).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+__all__ = ["float32_statistics", "own_variables", "recast_variables"]
+
+
+def own_variables(layer) -> list:
+    """The variables `layer` creates itself (not its sublayers')."""
+    return list(layer._trainable_variables) + list(layer._non_trainable_variables)
+
+
+def recast_variables(model: keras.Model, trainable_only: bool = False) -> int:
+    """Gives every float variable its layer's variable dtype, in place.
+
+    For a model whose layers' policies changed after their variables were made (a pure
+    float16/bfloat16 policy given to a float32 model): each floating variable whose dtype
+    differs from its layer's `variable_dtype` is re-created in that dtype, values rounded,
+    the `Variable` object kept (every reference to it stays valid).
+
+    Args:
+        model: A built model.
+        trainable_only: recast only trainable variables (`lean_bfloat16`: statistics such
+            as BatchNormalization's moving mean and variance stay float32, their slow
+            averages would stall in bfloat16).
+
+    Returns:
+        The number of variables recast.
+    """
+    count = 0
+    for layer in model._flatten_layers(include_self=True):
+        want = layer.variable_dtype
+        for variable in own_variables(layer):
+            if not keras.backend.is_float_dtype(variable.dtype) or variable.dtype == want:
+                continue
+            if trainable_only and not variable.trainable:
+                continue
+            _recast(variable, want)
+            count += 1
+    return count
+
+
+def float32_statistics(model: keras.Model) -> int:
+    """Re-creates the model's non-trainable low-precision float variables (normalization
+    statistics) in float32, in place, the `Variable` objects kept. Returns how many."""
+    count = 0
+    for layer in model._flatten_layers(include_self=True):
+        for variable in own_variables(layer):
+            dtype = keras.backend.standardize_dtype(variable.dtype)
+            if variable.trainable or dtype not in ("float16", "bfloat16"):
+                continue
+            _recast(variable, "float32")
+            count += 1
+    return count
+
+
+def _recast(variable, want: str) -> None:
+    value = keras.ops.cast(np.asarray(keras.ops.convert_to_numpy(variable.value)), want)
+    variable._dtype = want
+    variable._initialize(variable._convert_to_tensor(value, dtype=want))
