@@ -81,9 +81,7 @@ def _answer_flash_attention_as_a_gpu() -> None:
 def _abstract(tree, sharding):
     import jax
 
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
-    )
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
 
 def _analysis(compiled) -> dict:
@@ -117,18 +115,58 @@ def _analysis(compiled) -> dict:
     }
 
 
+REMAT_SLOP = None  # --remat-slop: the `@remat` memory limit's share of the GPU (percent)
+
+
 def _remat_options() -> dict:
-    """The harness' `@remat` flag (`keras_mp.cli.measure.REMAT_XLA_FLAG`) as compiler options."""
+    """The harness' `@remat` flag (`keras_mp.cli.measure.REMAT_XLA_FLAG`) as compiler options
+    (its share of the GPU's memory replaced by `--remat-slop`, if given)."""
     from keras_mp.cli.measure import REMAT_XLA_FLAG
 
     name, _, value = REMAT_XLA_FLAG.lstrip("-").partition("=")
-    return {name: int(value)}
+    return {name: int(value if REMAT_SLOP is None else REMAT_SLOP)}
 
 
-def step_record(model_name: str, policy: str, keep_fp32=None, sharding=None) -> dict:
+def remat_scope(workload, prefixes):
+    """A `keras.RematScope(mode="list_of_layers")` naming each block's layers that start
+    with one of `prefixes` (e.g. `("attn_", "ffn_in_")`: the GPT's attention layers and
+    its first FFN Dense), or a null context for none."""
+    import contextlib
+
+    import keras
+
+    if not prefixes:
+        return contextlib.nullcontext()
+    names = [f"{p}{i}" for p in prefixes for i in range(getattr(workload, "layers", 0))]
+    return keras.RematScope(mode="list_of_layers", layer_names=names)
+
+
+def hlo_flops(lowered):
+    """XLA's cost analysis of the lowered, unoptimised step: the FLOPs the program asks
+    for, rematerialised forward passes included (cuDNN attention calls count 0), by the
+    CPU client where the target's compile-only client has none."""
+    try:
+        cost = lowered.cost_analysis()
+    except NotImplementedError:
+        cost = None
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    if "flops" not in cost:
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+
+        module = lowered._lowering.hlo().as_hlo_module()
+        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module) or {}
+    return float(cost["flops"]) if "flops" in cost else None
+
+
+def step_record(
+    model_name: str, policy: str, keep_fp32=None, sharding=None, remat_layers=()
+) -> dict:
     """Compiles (does not run) one train step of `model_name` under a harness `policy`
     (for the device of `sharding`; default: the local one). `policy@remat` compiles it with
-    the harness' `@remat` memory limit (XLA's rematerialization; XLA:GPU only)."""
+    the harness' `@remat` memory limit (XLA's rematerialization; XLA:GPU only);
+    `remat_layers` (layer-name prefixes) builds the model under Keras' `RematScope`
+    naming those layers of each block (`remat_scope`)."""
     import jax
     import numpy as np
 
@@ -141,7 +179,8 @@ def step_record(model_name: str, policy: str, keep_fp32=None, sharding=None) -> 
 
     workload = WORKLOADS[model_name]
     start = time.perf_counter()
-    model = _compiled_model(workload, base, True, keep_fp32)
+    with remat_scope(workload, remat_layers):
+        model = _compiled_model(workload, base, True, keep_fp32)
     x, y = workload.data(np.random.default_rng(0))
     model._symbolic_build(data_batch=(x[:1], y[:1], None))
     model.optimizer.build(model.trainable_variables)
@@ -154,12 +193,15 @@ def step_record(model_name: str, policy: str, keep_fp32=None, sharding=None) -> 
     abstract = _abstract(state, sharding)
     data = (*_abstract((x, y), sharding), None)
     lowered = jax.jit(model.train_step, donate_argnums=0).lower(abstract, data)
+    flops = hlo_flops(lowered)
     compiled = lowered.compile(compiler_options=options)
     return {
         "kind": "step",
         "model": model_name,
         "policy": base,
         "xla_options": options,
+        "remat_layers": list(remat_layers) or None,
+        "hlo_flops": flops,
         "keep_fp32": None if keep_fp32 is None else list(keep_fp32),
         **_analysis(compiled),
         "compile_s": round(time.perf_counter() - start, 1),
@@ -219,6 +261,18 @@ def main(argv=None) -> int:
         "--policies", default="float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16"
     )
     parser.add_argument("--keep-fp32", default=None, help="comma-separated keep-list override")
+    parser.add_argument(
+        "--remat-layers",
+        default="",
+        help="comma-separated layer-name prefixes built under keras.RematScope("
+        "mode='list_of_layers') in each block, e.g. attn_,ffn_in_ (GPT workloads)",
+    )
+    parser.add_argument(
+        "--remat-slop",
+        type=int,
+        default=None,
+        help="the @remat rows' memory limit, percent of the GPU's memory (default: the harness' 5)",
+    )
     parser.add_argument("--logits", action="store_true", help="also the logits-region records")
     parser.add_argument("--no-steps", action="store_true", help="only the logits records")
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
@@ -249,22 +303,23 @@ def main(argv=None) -> int:
     if flash == "on":
         _answer_flash_attention_as_a_gpu()
     keep = None if args.keep_fp32 is None else tuple(args.keep_fp32.split(","))
+    remat = tuple(p for p in args.remat_layers.split(",") if p)
+    global REMAT_SLOP
+    REMAT_SLOP = args.remat_slop
     records = []
     for model_name in args.models.split(","):
         if args.logits and model_name.endswith("gpt"):
             records += logits_records(model_name, sharding)
         if not args.no_steps:
             records += [
-                step_record(model_name, p, keep, sharding) for p in args.policies.split(",")
+                step_record(model_name, p, keep, sharding, remat) for p in args.policies.split(",")
             ]
     if sharding is not None:
         device = f"{args.target} (compile only: {sharding.device_set.pop().device_kind})"
     else:
         device = str(jax.devices()[0].device_kind)
     for record in records:
-        record.update(
-            device=device, flash=flash, jax=jax.__version__, keras=keras.__version__
-        )
+        record.update(device=device, flash=flash, jax=jax.__version__, keras=keras.__version__)
         line = json.dumps(record)
         print(line, flush=True)
         if args.out:

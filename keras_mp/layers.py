@@ -29,6 +29,8 @@ logits = kmp.layers.Float32(keras.layers.Dense(10), output_dtype="float32")(x)
 
 from __future__ import annotations
 
+import functools
+
 import keras
 from keras import ops
 
@@ -233,6 +235,24 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     y = mha(x, x, use_causal_mask=True)
     ```
     """
+
+    def rematerialized_call(self, layer_call, *args, **kwargs):
+        """Under a `keras.RematScope` that names this layer, its call recomputed in the
+        backward pass. Keras' JAX `remat` is `jax.checkpoint`, which traces every argument:
+        the Python flags of this call (`use_causal_mask`, `training`,
+        `return_attention_scores`) became tracers and the call failed. They are bound
+        before the checkpoint; only tensors pass through it."""
+        call = super().rematerialized_call(layer_call, *args, **kwargs)
+        if call is layer_call or keras.backend.backend() != "jax":
+            return call
+
+        def checkpointed(*a, **kw):
+            static = {k: v for k, v in kw.items() if v is None or isinstance(v, (bool, int))}
+            tensors = {k: v for k, v in kw.items() if k not in static}
+            bound = functools.partial(layer_call, **static)
+            return keras.remat(bound)(*a, **tensors)
+
+        return checkpointed
 
     def _build_attention(self, rank):
         super()._build_attention(rank)
