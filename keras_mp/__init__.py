@@ -33,6 +33,7 @@ from keras_mp import (
     saving,
 )
 from keras_mp.conversion import convert, plan
+from keras_mp.fit import FitReport, will_it_fit
 from keras_mp.lean import LeanOptimizer, state_bytes
 from keras_mp.loss_scale import LossScaleOptimizer
 from keras_mp.observe import AuditReport, LossScaleCollapseError, audit, callbacks
@@ -53,6 +54,8 @@ if _keras.backend.backend() == "tensorflow":  # bfloat16/uint8 variables under m
     widen_collective_broadcasts()
 
 __all__ = [
+    "FitReport",
+    "will_it_fit",
     "LeanOptimizer",
     "LossScaleOptimizer",
     "lean",

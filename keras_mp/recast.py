@@ -63,6 +63,9 @@ def float32_statistics(model: keras.Model) -> int:
 
 
 def _recast(variable, want: str) -> None:
+    if getattr(variable, "_value", True) is None and getattr(variable, "_initializer", None):
+        variable._dtype = want  # unmaterialised (a StatelessScope without initialisation)
+        return
     value = keras.ops.cast(np.asarray(keras.ops.convert_to_numpy(variable.value)), want)
     variable._dtype = want
     variable._initialize(variable._convert_to_tensor(value, dtype=want))

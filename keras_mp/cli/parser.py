@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 
 from keras_mp.cli import diff as _diff
+from keras_mp.cli import fit as _fit
 
 __all__ = ["COMMANDS", "PROG", "CLIError", "Command", "build_parser", "command"]
 
@@ -246,6 +247,14 @@ COMMANDS = (
         help="what this machine accelerates and which policy to use",
         description="Print kmp.hardware.report(): devices, supported low-precision formats "
         "and the recommended policy.",
+    ),
+    Command(
+        name="fit",
+        module="keras_mp.cli.fit",
+        help=_fit.HELP,
+        description=_fit.DESCRIPTION,
+        arguments=_fit.add_arguments,
+        check=_fit.check,
     ),
     Command(
         name="diff",

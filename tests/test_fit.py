@@ -1,0 +1,156 @@
+"""`kmp.will_it_fit` and `keras-mp fit`: the compiled train step's peak under each policy."""
+
+import contextlib
+import json
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+import keras_mp as kmp
+from keras_mp.cli import main
+
+jax_only = pytest.mark.skipif(BACKEND != "jax", reason="compiled in this process on JAX only")
+
+
+def _model(vocab=256, d=32, seq=32):
+    inputs = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(vocab, d, name="embed")(inputs)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    h = keras.layers.Dense(4 * d, activation="gelu", name="ffn_in")(h)
+    h = keras.layers.Dense(d, name="ffn_out")(h)
+    return keras.Model(inputs, keras.layers.Dense(vocab, name="head")(h), name="small_lm")
+
+
+@jax_only
+def test_will_it_fit_orders_the_policies_and_sizes_the_state():
+    model = _model()
+    x = np.zeros((8, 32), "int32")
+    report = kmp.will_it_fit(model, x)
+    assert report.policies == ["float32", "mixed_bfloat16", "lean_bfloat16"]
+    f32, mixed, lean = (report[p] for p in report.policies)
+    assert lean.peak_bytes < mixed.peak_bytes < f32.peak_bytes
+    params = model.count_params()
+    assert f32.weights_bytes == 4 * params  # float32 weights
+    assert lean.weights_bytes == 2 * params  # bfloat16 weights (the norm's too)
+    assert 8 * params <= f32.optimizer_bytes < 8 * params + 64  # AdamW's two moments
+    assert lean.optimizer_bytes < 0.4 * f32.optimizer_bytes  # int8 moments + compensation
+    for row in report.rows:
+        assert row.error is None and row.fits
+        assert row.peak_bytes == row.weights_bytes + row.optimizer_bytes + row.temp_bytes
+    assert report.exact is False and report.headroom_bytes == 0  # XLA:CPU: an estimate
+    text = str(report)
+    assert "lean_bfloat16" in text and "estimate (XLA:CPU)" in text and "yes" in text
+    assert kmp.FitReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+@jax_only
+def test_will_it_fit_materialises_no_weight_and_says_what_does_not_fit():
+    model = _model()
+    before = [np.asarray(v.value).copy() for v in model.weights]
+    report = kmp.will_it_fit(
+        model, np.zeros((4, 32), "int32"), policies="lean_bfloat16", memory_gib=0.0001
+    )
+    row = report["lean_bfloat16"]
+    assert not row.fits and row.peak_bytes > 0.0001 * 2**30
+    assert "NO" in str(report)
+    for v, b in zip(model.weights, before):  # the model itself is untouched
+        np.testing.assert_array_equal(np.asarray(v.value), b)
+    assert model.weights[0].dtype == "float32"
+    with pytest.raises(KeyError, match="float32"):
+        report["float32"]
+
+
+def test_will_it_fit_names_the_bad_argument():
+    model = _model()
+    x = np.zeros((2, 32), "int32")
+    with pytest.raises(ValueError, match="`policies`"):
+        kmp.will_it_fit(model, x, policies=("float64",))
+    with pytest.raises(ValueError, match="`memory_gib`"):
+        kmp.will_it_fit(model, x, memory_gib=-1)
+    with pytest.raises(ValueError, match="`model`"):
+        kmp.will_it_fit(keras.Sequential([keras.layers.Dense(2)]), x)
+
+
+@jax_only
+def test_cli_fit_prints_the_table_and_exits_1_when_a_policy_does_not_fit(tmp_path, capsys):
+    path = str(tmp_path / "lm.keras")
+    _model(seq=16).save(path)
+    status = main(
+        ["fit", path, "--batch-size", "4", "--policies", "float32,lean_bfloat16", "--json"]
+    )
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert status == 0
+    rows = {r["policy"]: r for r in out["rows"]}
+    assert rows["lean_bfloat16"]["peak_bytes"] < rows["float32"]["peak_bytes"]
+    assert out["batch"] == [[4, 16]]
+    argv = ["fit", path, "--batch-size", "4", "--policies", "lean_bfloat16", "--memory-gib"]
+    status = main([*argv, "0.0001"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "lean_bfloat16" in out and "NO" in out and "batch [[4, 16]]" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["fit", "nosuch"], "neither a .keras file nor a bundled model"),
+        (["fit", "missing.keras", "--batch-size", "2"], "no such model file"),
+        (["fit", "tiny_gpt", "--policies", "float64"], "--policies: unknown"),
+        (["fit", "tiny_gpt", "--batch-size", "0"], "must be positive"),
+        (["fit", "tiny_gpt", "--input-shapes", "a,b"], "--input-shapes"),
+        (["fit", "tiny_gpt", "--device", "missing.txtpb"], "--device: no such"),
+    ],
+)
+def test_cli_fit_bad_arguments_give_one_line_and_status_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("keras-mp fit: error:") and message in err
+    assert len(err.splitlines()) == 1
+
+
+def test_cli_fit_needs_a_batch_size_for_a_saved_model(tmp_path, capsys):
+    path = tmp_path / "m.keras"
+    path.write_bytes(b"")
+    assert main(["fit", str(path)]) == 2
+    assert "--batch-size is needed" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.tf_only
+def test_will_it_fit_on_tensorflow_sizes_the_saved_model_under_jax():
+    report = kmp.will_it_fit(
+        _model(seq=16), np.zeros((4, 16), "int32"), policies=("float32", "lean_bfloat16")
+    )
+    assert report["lean_bfloat16"].peak_bytes < report["float32"].peak_bytes
+    assert report.batch == [[4, 16]]
+
+
+@jax_only
+def test_remat_scope_recomputes_keras_mp_attention_on_jax():
+    """Keras' JAX remat traces every argument of the call; keras_mp's MultiHeadAttention
+    binds its Python flags first, so a RematScope naming it runs (stock Keras' layer
+    raises) and gives the same gradients."""
+
+    def grads(remat):
+        keras.utils.set_random_seed(0)
+        scope = keras.RematScope(mode="list_of_layers", layer_names=["attn"]) if remat else None
+        with scope if scope else contextlib.nullcontext():
+            inputs = keras.Input((8, 16))
+            mha = kmp.layers.MultiHeadAttention(2, 8, name="attn")
+            h = mha(inputs, inputs, use_causal_mask=True)
+            model = keras.Model(inputs, keras.layers.Dense(3)(h))
+        x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype("float32")
+        tv = [v.value for v in model.trainable_variables]
+
+        def loss(tv):
+            y, _ = model.stateless_call(tv, [v.value for v in model.non_trainable_variables], x)
+            return keras.ops.mean(y**2)
+
+        return jax.grad(loss)(tv)
+
+    import jax
+
+    for a, b in zip(grads(False), grads(True)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
