@@ -20,9 +20,10 @@ traffic["other"]["gib"], traffic["other"]["kernels"], traffic["copies"]
 
 from __future__ import annotations
 
+import math
 import re
 
-__all__ = ["KINDS", "kernel_traffic"]
+__all__ = ["KINDS", "dot_flops", "kernel_traffic"]
 
 _BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -132,3 +133,49 @@ def kernel_traffic(hlo_text: str) -> dict:
     out = {k: {"kernels": totals[k][0], "gib": round(totals[k][1] / 2**30, 3)} for k in KINDS}
     out.update(copies=totals["copies"], conditionals=totals["conditionals"])
     return out
+
+
+def dot_flops(hlo_text: str) -> float:
+    """The matmul FLOPs of a compiled module: `2 × output elements × contracted size` of
+    every `dot` reached from the entry (inside GEMM fusions too; a `while` body once). Sees
+    what XLA's optimisations add (its rematerialisation's recomputed matmuls), which the
+    cost analysis of the lowered module does not; cuDNN/cuBLAS custom calls count 0.
+
+    Args:
+        hlo_text: `compiled.as_text()`.
+
+    Returns:
+        FLOPs (float).
+    """
+    bodies, entry = _computations(hlo_text)
+    shapes = {}
+    for lines in bodies.values():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if m:
+                shapes[m.group(1)] = m.group(2)
+
+    def dims(shape: str) -> list:
+        found = _ARRAY.search(shape)
+        return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+    def flops(name: str, seen: tuple) -> float:
+        total = 0.0
+        for line in bodies.get(name, ()):
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            _, shape, opcode, operands, rest = m.groups()
+            if opcode == "dot":
+                lhs = re.findall(r"%([\w.\-]+)", operands)
+                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+                if lhs and contracting and lhs[0] in shapes:
+                    size = dims(shapes[lhs[0]])
+                    k = math.prod(size[int(i)] for i in contracting.group(1).split(",") if i)
+                    total += 2.0 * math.prod(dims(shape)) * k
+            for callee in re.findall(r"(?:calls|body)=%([\w.\-]+)", rest):
+                if callee not in seen:
+                    total += flops(callee, (*seen, callee))
+        return total
+
+    return flops(entry, (entry,))

@@ -44,7 +44,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from hlo_traffic import KINDS, kernel_traffic  # noqa: E402
+from hlo_traffic import KINDS, dot_flops, kernel_traffic  # noqa: E402
 
 GIB = 2**30
 TARGETS = {"h200": os.path.join(HERE, "h200.txtpb")}
@@ -104,6 +104,7 @@ def _analysis(compiled) -> dict:
         "output_bytes": int(memory.output_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),
         "xla_flops": float(cost["flops"]) if "flops" in cost else None,  # None: XLA:GPU
+        "dot_flops": dot_flops(text),  # the optimised module's matmuls (recomputation too)
         "flash_attention_calls": text.count("__cudnn$fmha"),
         # Kernels and GiB each reads + writes (benchmarks/hlo_traffic.py): element-wise
         # work runs at memory speed on a GPU, so `traffic_gib["other"]` / bandwidth
@@ -130,14 +131,22 @@ def _remat_options() -> dict:
 def remat_scope(workload, prefixes):
     """A `keras.RematScope(mode="list_of_layers")` naming each block's layers that start
     with one of `prefixes` (e.g. `("attn_", "ffn_in_")`: the GPT's attention layers and
-    its first FFN Dense), or a null context for none."""
+    its first FFN Dense; `"attn_[0-2]"`: those of blocks 0 to 2 only), or a null context
+    for none."""
     import contextlib
 
     import keras
 
     if not prefixes:
         return contextlib.nullcontext()
-    names = [f"{p}{i}" for p in prefixes for i in range(getattr(workload, "layers", 0))]
+    names = []
+    for entry in prefixes:  # "attn_" (every block) or "attn_[0-2]" (blocks 0 to 2)
+        prefix, _, span = entry.partition("[")
+        first, _, last = span.rstrip("]").partition("-")
+        blocks = range(getattr(workload, "layers", 0))
+        if span:
+            blocks = range(int(first), int(last or first) + 1)
+        names += [f"{prefix}{i}" for i in blocks]
     return keras.RematScope(mode="list_of_layers", layer_names=names)
 
 
