@@ -14,6 +14,8 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 ```
 """
 
+import sys as _sys
+
 import keras as _keras
 
 from keras_mp import (
@@ -45,6 +47,8 @@ from keras_mp.policies import (
 )
 from keras_mp.tf.export import export_saved_model  # imports tensorflow only when called
 from keras_mp.version import __version__
+
+_sys.modules[__name__ + ".callbacks"] = callbacks  # `import keras_mp.callbacks` as before
 
 autoscale.install()  # compile() under a keras_mp policy gets kmp.LossScaleOptimizer
 optimizer_guard.install()  # a plain optimizer on lean or float16 weights warns once

@@ -130,4 +130,9 @@ def test_public_names_and_documented_paths_resolve():
     for name in kmp.__all__:
         assert getattr(kmp, name) is not None, name
     assert kmp.callbacks is kmp.observe.callbacks
+    import keras_mp.callbacks
+    from keras_mp.callbacks import LossScaleMonitor
+
+    assert keras_mp.callbacks is kmp.observe.callbacks
+    assert LossScaleMonitor is kmp.observe.callbacks.LossScaleMonitor
     assert kmp.convert is kmp.conversion.convert

@@ -120,7 +120,7 @@ def run(args) -> int:
     """Runs `keras-mp audit` from parsed arguments; returns the exit status."""
     from keras_mp.cli.report import console
 
-    for module in ("layers", "losses", "callbacks"):  # register their objects for loading
+    for module in ("layers", "losses", "observe.callbacks"):  # register their objects for loading
         __import__(f"keras_mp.{module}")
     try:
         from keras_mp.observe.auditor import audit

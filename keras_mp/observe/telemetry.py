@@ -1,6 +1,6 @@
 """Reading loss-scale telemetry during `fit` without a host sync, and writing it out.
 
-Private helpers of `keras_mp.callbacks`. On the JAX backend `fit` keeps the state in
+Private helpers of `keras_mp.observe.callbacks`. On the JAX backend `fit` keeps the state in
 `model._jax_state` during an epoch (the model's variables are detached); touching
 `callback.model` would sync all of it, so `_StateReader` reads single optimizer variables
 from that state instead.
