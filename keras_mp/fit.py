@@ -111,13 +111,13 @@ class FitReport:
         return cls(**{**data, "rows": rows})
 
     def __str__(self) -> str:
-        kind = "exact (XLA:GPU buffer assignment)" if self.exact else "estimate (XLA:CPU)"
+        kind = "exact: XLA:GPU's buffers" if self.exact else "an estimate: XLA:CPU's buffers"
         peaks = [r.peak_bytes for r in self.rows]
         unit, size = ("GiB", GIB) if max(peaks, default=0) >= GIB else ("MiB", 2**20)
         lines = [
             f"Will it fit? {self.model}, batch {self.batch}, on {self.device}",
             f"memory {self.memory_bytes / GIB:.2f} GiB, {self.headroom_bytes / GIB:.2f} GiB "
-            f"kept free; peaks are an {kind}",
+            f"kept free; peaks {kind}",
             "",
             f"{'policy':<16}{'peak ' + unit:>10}{'weights':>10}{'optimizer':>11}{'temps':>10}"
             "  fits",

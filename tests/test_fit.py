@@ -1,7 +1,12 @@
 """`kmp.will_it_fit` and `keras-mp fit`: the compiled train step's peak under each policy."""
 
 import contextlib
+import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -11,6 +16,7 @@ from conftest import BACKEND
 import keras_mp as kmp
 from keras_mp.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
 jax_only = pytest.mark.skipif(BACKEND != "jax", reason="compiled in this process on JAX only")
 
 
@@ -41,7 +47,7 @@ def test_will_it_fit_orders_the_policies_and_sizes_the_state():
         assert row.peak_bytes == row.weights_bytes + row.optimizer_bytes + row.temp_bytes
     assert report.exact is False and report.headroom_bytes == 0  # XLA:CPU: an estimate
     text = str(report)
-    assert "lean_bfloat16" in text and "estimate (XLA:CPU)" in text and "yes" in text
+    assert "lean_bfloat16" in text and "an estimate: XLA:CPU" in text and "yes" in text
     assert kmp.FitReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
 
 
@@ -154,3 +160,25 @@ def test_remat_scope_recomputes_keras_mp_attention_on_jax():
 
     for a, b in zip(grads(False), grads(True)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins") is None, reason="needs JAX's CUDA plugin"
+)
+def test_cli_fit_compiles_for_an_h200_without_one():
+    """A GPU description (benchmarks/h200.txtpb) compiled for on a CPU: exact, 1 GiB kept."""
+    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT)}
+    argv = ["fit", "tiny_gpt", "--device", str(ROOT / "benchmarks" / "h200.txtpb"), "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "keras_mp_launcher", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["exact"] is True and report["headroom_bytes"] == 2**30
+    assert "H200" in report["device"] and report["memory_bytes"] > 100 * 2**30
+    peaks = {r["policy"]: r["peak_bytes"] for r in report["rows"]}
+    assert peaks["lean_bfloat16"] < peaks["mixed_bfloat16"] < peaks["float32"]

@@ -136,6 +136,8 @@ def check(args: argparse.Namespace) -> None:
         _shapes(args.input_shapes)
     if args.device is not None and not os.path.isfile(args.device):
         raise FileNotFoundError(f"--device: no such device description: {args.device!r}")
+    if args.device is not None:  # compile only: the host runs Keras on its CPU
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args.backend = "jax"  # XLA's compile-only memory analysis: JAX only
 
 

@@ -107,8 +107,9 @@ def compile_device(device=None) -> CompileDevice:
         )
     except Exception as error:  # JaxRuntimeError, NotImplementedError, RuntimeError...
         raise ValueError(
-            f"device={path!r}: this JAX cannot compile for XLA:GPU ({error}). Install the "
-            f"plugin: pip install 'jax[cuda12]=={jax.__version__}' (no GPU needed)."
+            f"device={path!r}: this JAX cannot compile for XLA:GPU ({error}). It needs the "
+            f"plugin (pip install 'jax[cuda12]=={jax.__version__}'; no GPU needed) and, on a "
+            "machine without a GPU, JAX_PLATFORMS=cpu set before JAX starts."
         ) from error
     target = topology.devices[0]
     name = f"{os.path.basename(path)} (compile only: {target.device_kind})"
@@ -156,8 +157,12 @@ def _flash_attention_as(answer: bool):
     from keras.src.backend.jax import nn as jax_nn
 
     saved = jax_nn._can_use_flash_attention
+
+    def as_the_gpu(query, *args, raise_error=False, **kwargs):
+        return str(query.dtype) in ("float16", "bfloat16")  # cuDNN's flash dtypes
+
     if answer:
-        jax_nn._can_use_flash_attention = lambda *args, raise_error=False, **kwargs: True
+        jax_nn._can_use_flash_attention = as_the_gpu
     try:
         yield
     finally:
