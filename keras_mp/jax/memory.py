@@ -137,8 +137,9 @@ def unmaterialised():
 
 
 def abstract_copy(model):
-    """`model` rebuilt from its config with no weight materialised, or None when its
-    config cannot rebuild it (a subclassed model without `get_config`)."""
+    """`model` rebuilt from its config with no weight materialised (each layer keeps the
+    `keras.RematScope` it was made under), or None when its config cannot rebuild it (a
+    subclassed model without `get_config`)."""
     try:
         config = model.get_config()
         with unmaterialised():
@@ -147,6 +148,11 @@ def abstract_copy(model):
                 return None
     except Exception:  # NotImplementedError, TypeError...: no rebuildable config
         return None
+    # A layer takes its RematScope when it is made: give the copy the original's.
+    modes = {x.path: getattr(x, "_remat_mode", None) for x in model._flatten_layers()}
+    for layer in copy._flatten_layers():
+        if modes.get(layer.path) is not None:
+            layer._remat_mode = modes[layer.path]
     return copy
 
 
