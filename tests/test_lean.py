@@ -244,7 +244,7 @@ def test_bad_configurations_fail_with_clear_errors():
     with pytest.raises(ValueError, match="rounding"):
         kmp.LeanOptimizer(keras.optimizers.Adam(), rounding="round")
     with pytest.raises(ValueError, match="moments"):
-        kmp.LeanOptimizer(keras.optimizers.Adam(), moments="int4")
+        kmp.LeanOptimizer(keras.optimizers.Adam(), moments="int2")
     with pytest.raises(ValueError, match="block_size"):
         kmp.LeanOptimizer(keras.optimizers.Adam(), block_size=0)
     with pytest.raises(ValueError, match="lean_float16|Valid names"):

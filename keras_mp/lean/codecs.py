@@ -25,6 +25,9 @@ Moments (`encode_moment` / `decode_moment`):
   no zero point for the second (a non-zero second moment never decodes to zero, so
   `m / sqrt(v)` cannot blow up). Codes are rounded stochastically, so an exponential
   average whose per-step change is below one code step still moves in expectation.
+- `"int4"`: the same blocks with 4-bit codes, two a byte, 128 values a scale by default
+  (`keras_mp.lean.int4`: a signed cubic map for the first moment, a zero-point-free one
+  for the second, after Li et al., NeurIPS 2023).
 - `"bfloat16"`: stochastically rounded bfloat16.
 - `"float32"`: as the float32 optimizer stores it (for comparison).
 """
@@ -36,8 +39,11 @@ from typing import NamedTuple
 
 from keras import ops
 
+from keras_mp.lean import int4
+
 __all__ = [
     "MOMENT_FORMATS",
+    "QUANTIZED",
     "ROUNDINGS",
     "decode_moment",
     "decode_weight",
@@ -53,7 +59,8 @@ __all__ = [
 ]
 
 ROUNDINGS = ("kahan", "kahan16", "stochastic")
-MOMENT_FORMATS = ("int8", "bfloat16", "float32")
+MOMENT_FORMATS = ("int8", "int4", "bfloat16", "float32")
+QUANTIZED = ("int8", "int4")  # block-wise codes with a float32 scale per block
 
 # Companding of the 8-bit moment maps: value = scale * (code / top) ** power, power 2 for
 # the first moment (127 magnitudes, relative step 1.6% at the block's max, smallest
@@ -295,9 +302,11 @@ def moment_shapes(shape, fmt: str, block) -> tuple:
         fmt: one of `MOMENT_FORMATS`.
         block: the largest block length, or the `Blocks` (`blocks_for`) to use.
     """
-    if fmt != "int8":
+    if fmt not in QUANTIZED:
         return tuple(shape), None
     layout = _as_blocks(block, shape)
+    if fmt == "int4":  # two codes a byte
+        return (layout.count, -(-layout.length // 2)), (layout.count,)
     return (layout.count, layout.length), (layout.count,)
 
 
@@ -353,11 +362,12 @@ def encode_moment(x, fmt: str, signed: bool, noise=None, block=2048):
         signed: True for a signed map (first moment), False for the unsigned map.
         noise: uniform [0, 1) noise of `x`'s shape (`uniforms`; default
             `uniforms(shape, 0)`) for the stochastic rounding.
-        block: for `"int8"`, the largest number of values per scale, or the `Blocks`
+        block: for `"int8"`/`"int4"`, the largest number of values per scale, or the `Blocks`
             (`blocks_for`) to use.
 
     Returns:
-        `(codes, scales)`: for `"int8"`, uint8 codes of shape `(blocks, length)` and
+        `(codes, scales)`: for `"int8"`, uint8 codes of shape `(blocks, length)` (for
+        `"int4"`, `(blocks, ceil(length / 2))`, two codes a byte) and
         their float32 scales `(blocks,)`; otherwise the stored tensor and None.
     """
     x = ops.cast(x, "float32")
@@ -367,7 +377,7 @@ def encode_moment(x, fmt: str, signed: bool, noise=None, block=2048):
         noise = uniforms(tuple(x.shape), 0, 1)[0]
     if fmt == "bfloat16":
         return stochastic_round_bfloat16(x, _bits(noise)), None
-    if fmt != "int8":
+    if fmt not in QUANTIZED:
         raise ValueError(f"Unknown moment format {fmt!r}; expected one of {MOMENT_FORMATS}.")
     layout = _as_blocks(block, tuple(x.shape))
     values = _blocks(x, layout)
@@ -375,6 +385,8 @@ def encode_moment(x, fmt: str, signed: bool, noise=None, block=2048):
     safe = ops.where(scale > 0, scale, 1.0)
     normalized = ops.abs(values) / ops.expand_dims(safe, 1)
     noise = _blocks(noise, layout)
+    if fmt == "int4":
+        return int4.pack(int4.code(values, normalized, noise, signed)), scale
     if signed:
         level = ops.sqrt(normalized) * _SIGNED_TOP
         magnitude = ops.minimum(ops.floor(level + noise), _SIGNED_TOP)
@@ -400,18 +412,30 @@ def decode_moment(codes, scales, fmt: str, signed: bool, shape, block=None):
     Returns:
         A float32 tensor of `shape`.
     """
-    if fmt != "int8":
+    if fmt not in QUANTIZED:
         return ops.cast(codes, "float32")
-    code = ops.cast(codes, "float32")
-    if signed:
-        negative = code >= 128.0
-        magnitude = ops.where(negative, code - 128.0, code)
-        value = ops.square(magnitude * (1.0 / _SIGNED_TOP))
-        value = ops.where(negative, -value, value)
-    else:
-        value = ops.square(ops.square(code * (1.0 / _UNSIGNED_TOP)))
-    value = value * ops.expand_dims(scales, 1)
-    if not isinstance(block, Blocks):
+    if isinstance(block, int):
+        block = blocks_for(shape, block)
+    elif not isinstance(block, Blocks):  # the codes' rows (int4: exact for even lengths)
         count, length = codes.shape
-        block = Blocks((1,) * len(shape), int(count), int(length))
+        length = 2 * int(length) if fmt == "int4" else int(length)
+        block = Blocks((1,) * len(shape), int(count), length)
+    if fmt == "int4":
+        code = int4.unpack(codes, block.length)
+        if signed:
+            negative = code >= 8.0
+            value = int4.value(ops.where(negative, code - 8.0, code), True)
+            value = ops.where(negative, -value, value)
+        else:
+            value = int4.value(code, False)
+    else:
+        code = ops.cast(codes, "float32")
+        if signed:
+            negative = code >= 128.0
+            magnitude = ops.where(negative, code - 128.0, code)
+            value = ops.square(magnitude * (1.0 / _SIGNED_TOP))
+            value = ops.where(negative, -value, value)
+        else:
+            value = ops.square(ops.square(code * (1.0 / _UNSIGNED_TOP)))
+    value = value * ops.expand_dims(scales, 1)
     return _unblocks(value, block, tuple(shape))

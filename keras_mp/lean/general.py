@@ -186,7 +186,7 @@ class GeneralState:
                 name = slot.name[len(prefixes[owner]) :]
                 variable = var_list[owner]
                 place = lean_sharding.placement(variable, outer.shard_over_data)
-                blocks = lean_sharding.blocks(place, variable.shape, outer.block_size)
+                blocks = lean_sharding.blocks(place, variable.shape, outer.block_length)
                 signed = name not in UNSIGNED_SLOTS
 
                 def encoded(fmt, initial=initial, signed=signed, blocks=blocks):

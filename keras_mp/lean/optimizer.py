@@ -23,6 +23,7 @@ from keras.src.utils import tracking
 from keras_mp import optimizer_guard
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import general as lean_general
+from keras_mp.lean import int4
 from keras_mp.lean import sharding as lean_sharding
 from keras_mp.lean.rule import Hyper, Static, constant, lean_rule, read, to_float32
 
@@ -98,8 +99,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             the fused path.
         rounding: how bfloat16 weights absorb updates: `"kahan"` (default), `"kahan16"`
             or `"stochastic"`.
-        moments: storage of the moments: `"int8"` (default), `"bfloat16"`, `"float32"`.
-        block_size: values per scale of the int8 moments.
+        moments: storage of the moments: `"int8"` (default), `"int4"` (two codes a byte:
+            1 byte a parameter for Adam's two moments, so `rounding="stochastic"` keeps
+            about 3 bytes a parameter in all), `"bfloat16"`, `"float32"`.
+        block_size: values per scale of the quantized moments (default: 2048 for
+            `"int8"`, 128 for `"int4"`).
         min_quantized_size: tensors with fewer elements keep float32 moments.
         shard_over_data: split the state across the data-parallel axis of the
             `keras.distribution` in effect (ZeRO stage 1, JAX): each of N data-parallel
@@ -123,7 +127,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         inner_optimizer: keras.optimizers.Optimizer,
         rounding: str = DEFAULT_ROUNDING,
         moments: str = DEFAULT_MOMENTS,
-        block_size: int = 2048,
+        block_size: int | None = None,
         min_quantized_size: int = 64,
         shard_over_data: bool = False,
         name: str | None = None,
@@ -144,6 +148,8 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         _check_choice("rounding", rounding, lean_codecs.ROUNDINGS)
         _check_choice("moments", moments, lean_codecs.MOMENT_FORMATS)
         for arg, value in (("block_size", block_size), ("min_quantized_size", min_quantized_size)):
+            if value is None and arg == "block_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(
                     f"LeanOptimizer: invalid `{arg}`={value!r}: expected a positive integer."
@@ -176,6 +182,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         optimizer_guard.exempt(self)  # it keeps lean weights exact: no plain-optimizer warning
 
     @property
+    def block_length(self) -> int:
+        """Values per scale of the quantized moments: `block_size`, or by default 2048 for
+        `"int8"` and `keras_mp.lean.int4.BLOCK` (128) for `"int4"`."""
+        if self.block_size is not None:
+            return self.block_size
+        return int4.BLOCK if self.moments == "int4" else 2048
+
+    @property
     def general(self) -> bool:
         """Whether the optimizer runs the general path (its own update, decoded state)."""
         return self._general is not None
@@ -186,7 +200,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         size = 1
         for d in variable.shape:
             size *= int(d)
-        if self.moments == "int8" and size < self.min_quantized_size:
+        if self.moments in lean_codecs.QUANTIZED and size < self.min_quantized_size:
             return "float32"
         return self.moments
 
@@ -196,7 +210,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         fmt = self._moment_format(variable)
         initial = initial(fmt) if initial is not None else (None, None)
         codes_shape, scales_shape = lean_codecs.moment_shapes(variable.shape, fmt, blocks)
-        dtype = {"int8": "uint8", "bfloat16": "bfloat16", "float32": "float32"}[fmt]
+        dtype = {"int8": "uint8", "int4": "uint8", "bfloat16": "bfloat16"}.get(fmt, "float32")
         prefix = variable.path.replace("/", "_")
         if scales_shape is None:
             layouts = (lean_sharding.state_layout(place, variable.shape), None)
@@ -228,7 +242,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         self._slots = []
         for variable in var_list:
             place = lean_sharding.placement(variable, self.shard_over_data)
-            blocks = lean_sharding.blocks(place, variable.shape, self.block_size)
+            blocks = lean_sharding.blocks(place, variable.shape, self.block_length)
             slot = {"compensation": None, "m": None, "v": None, "blocks": blocks}
             if variable.dtype == "bfloat16" and self.rounding != "stochastic":
                 dtype = "int8" if self.rounding == "kahan" else "bfloat16"
