@@ -595,3 +595,17 @@ def test_default_compare_reproduces_the_documented_regime(tmp_path, capsys):
     # Wall time (goal: under 3 minutes on a quiet 2-core CPU) depends on the machine's load,
     # so it is printed rather than asserted.
     print(f"default compare: {results['wall_seconds']:.0f} s")
+
+
+def test_compare_takes_lean_variants():
+    from keras_mp.cli.compare import _label
+    from keras_mp.cli.settings import lean_variant
+
+    cfg = CompareConfig(policies=("float32", "lean_bfloat16:stochastic:int4"))
+    assert cfg.policies[1] == "lean_bfloat16:stochastic:int4"
+    assert lean_variant(cfg.policies[1]) == ("stochastic", "int4")
+    assert lean_variant("lean_bfloat16") is None
+    assert _label(cfg.policies[1]) == "lean bfloat16 stochastic+int4"
+    for bad in ("lean_bfloat16:round:int4", "lean_bfloat16:kahan:int2", "mixed_bfloat16:x:y"):
+        with pytest.raises(ValueError, match="lean_bfloat16:ROUNDING:MOMENTS"):
+            CompareConfig(policies=(bad,))

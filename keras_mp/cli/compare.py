@@ -33,7 +33,7 @@ from keras_mp import callbacks as kmp_callbacks
 from keras_mp import losses as kmp_losses
 from keras_mp.cli.data import Dataset, build_model, load_dataset
 from keras_mp.cli.records import EpochRecorder, peak_memory, reset_peak_memory
-from keras_mp.cli.settings import CALIBRATED, DEFAULT_POLICIES, CompareConfig
+from keras_mp.cli.settings import CALIBRATED, DEFAULT_POLICIES, CompareConfig, lean_variant
 
 __all__ = [
     "DEFAULT_POLICIES",
@@ -81,10 +81,16 @@ def _pure_modes_expected():
 
 def _policy(name: str) -> kmp.Policy:
     """Mixed modes keep kmp's FP32 keep-list; pure modes are all-low-precision."""
+    name = name.split(":")[0]  # lean_bfloat16:ROUNDING:MOMENTS
     with _pure_modes_expected():
         if name in ("float16", "bfloat16"):
             return kmp.Policy(name, keep_fp32=())
         return kmp.Policy("mixed_float16" if name == CALIBRATED else name)
+
+
+def _label(policy: str) -> str:
+    variant = lean_variant(policy)
+    return f"lean bfloat16 {variant[0]}+{variant[1]}" if variant else LABELS[policy]
 
 
 def _jit(policy: str, jit: str) -> tuple[Any, str]:
@@ -129,6 +135,9 @@ def run_policy(
     opt = _optimizer(cfg, cfg.epochs * steps_per_epoch)
     if policy in ("mixed_float16", CALIBRATED):
         opt = kmp.LossScaleOptimizer(opt)
+    variant = lean_variant(policy)
+    if variant:
+        opt = kmp.LeanOptimizer(opt, rounding=variant[0], moments=variant[1])
     jit_compile, compile_label = _jit(policy, cfg.jit)
     model.compile(
         optimizer=opt,
@@ -163,7 +172,7 @@ def run_policy(
     last = epochs[-1]
     row = {
         "policy": policy,
-        "label": LABELS[policy],
+        "label": _label(policy),
         "compile": compile_label,
         "variable_dtype": model.trainable_variables[0].dtype,
         "compute_dtype": _policy(policy).compute_dtype,
@@ -216,7 +225,7 @@ def _failed_row(policy: str, error: Exception) -> dict:
     return {
         **row,
         "policy": policy,
-        "label": LABELS[policy],
+        "label": _label(policy),
         "compile": _jit(policy, "auto")[1],
         "history": {},
         "error": f"{type(error).__name__}: {message[:300]}",

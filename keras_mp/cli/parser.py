@@ -87,7 +87,8 @@ def _compare_arguments(c: argparse.ArgumentParser) -> None:
         "--policies",
         type=_policies,
         default=None,
-        help=f"comma-separated modes, from {','.join(POLICIES)} (default: "
+        help=f"comma-separated modes, from {','.join(POLICIES)}, or lean variants "
+        "lean_bfloat16:ROUNDING:MOMENTS (e.g. lean_bfloat16:stochastic:int4) (default: "
         f"{','.join(DEFAULT_POLICIES)}; with --model t5: {','.join(T5_POLICIES)})",
     )
     c.add_argument("--epochs", type=_positive(int), default=d.epochs, help="(default: %(default)s)")

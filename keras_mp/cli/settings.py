@@ -21,6 +21,7 @@ __all__ = [
     "LEAN",
     "CompareConfig",
     "config_from_args",
+    "lean_variant",
 ]
 
 MODELS = ("cnn", "transformer", "mlp", "t5")
@@ -45,6 +46,28 @@ T5_POLICIES = ("float32", "mixed_float16", CALIBRATED, "mixed_bfloat16")
 OPTIMIZERS = ("adam", "sgd")
 SCHEDULES = ("cosine", "constant")
 JIT_MODES = ("auto", "on", "off")
+
+
+def lean_variant(policy: str) -> tuple | None:
+    """`(rounding, moments)` of a policy written `lean_bfloat16:ROUNDING:MOMENTS` (the
+    model under `lean_bfloat16`, its optimizer `kmp.LeanOptimizer(..., rounding=...,
+    moments=...)`), None for any other name.
+
+    Args:
+        policy: a `--policies` entry.
+
+    Returns:
+        A `(rounding, moments)` tuple or None.
+    """
+    from keras_mp.lean import codecs
+
+    name, *variant = policy.split(":")
+    if name != LEAN or len(variant) != 2:
+        return None
+    rounding, moments = variant
+    if rounding not in codecs.ROUNDINGS or moments not in codecs.MOMENT_FORMATS:
+        return None
+    return rounding, moments
 
 
 @dataclasses.dataclass
@@ -95,9 +118,10 @@ class CompareConfig:
         if not self.policies:
             raise ValueError("--policies: give at least one policy.")
         for p in self.policies:
-            if p not in POLICIES:
+            if p not in POLICIES and not lean_variant(p):
                 raise ValueError(
-                    f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)}."
+                    f"--policies: unknown policy {p!r}; choose from {', '.join(POLICIES)} "
+                    f"or {LEAN}:ROUNDING:MOMENTS (e.g. {LEAN}:stochastic:int4)."
                 )
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policies: a policy is repeated in {','.join(self.policies)}.")
