@@ -23,14 +23,14 @@ from keras.src.utils import tracking
 from keras_mp import optimizer_guard
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import general as lean_general
-from keras_mp.lean import int4
+from keras_mp.lean import int4, packing
 from keras_mp.lean import sharding as lean_sharding
 from keras_mp.lean.rule import Hyper, Static, constant, lean_rule, read, to_float32
 
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 
 DEFAULT_ROUNDING = "kahan"
-_SMALL = 65536  # variables with fewer values share one compiled update on TensorFlow
+_SMALL = 65536  # variables with fewer values are packed together (`lean.packing`)
 DEFAULT_MOMENTS = "int8"
 
 # Optimizer classes whose state LeanOptimizer knows how to keep (exact types: a subclass
@@ -171,6 +171,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 "or False."
             )
         self.shard_over_data = shard_over_data
+        self._pack_updates = True  # False: one `lean_rule` per variable (for comparison)
         self.beta_1 = float(getattr(inner_optimizer, "beta_1", 0.9))
         self.beta_2 = float(getattr(inner_optimizer, "beta_2", 0.999))
         self.epsilon = float(getattr(inner_optimizer, "epsilon", 1e-7))
@@ -334,11 +335,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         self._write(self._rule_for(static)(values), writes)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        """On TensorFlow outside a distribution strategy, the updates of the small variables
-        (biases, norm scales: under `_SMALL` values each) run together in one XLA
-        computation, each large one in its own (the per-launch cost matters for small
-        tensors; large ones run faster as separate computations); elsewhere Keras'
-        per-variable path (`update_step`)."""
+        """All variables' updates, packed (`keras_mp.lean.packing`): the variables under
+        `_SMALL` values (biases, norm scales, small kernels) in a few groups of rows, each
+        group updated as one; each larger variable on its own. On TensorFlow they run as
+        XLA computations (the small groups together in one, each large variable in its
+        own: TensorFlow runs those side by side, where one XLA:CPU computation would run
+        its loops one after the other); on JAX inside the traced step. Under a
+        `tf.distribute` strategy or a `keras.distribution`, Keras' per-variable path
+        (`update_step`)."""
         if self._general is not None and grads:
             if keras.backend.backend() == "tensorflow":
                 import tensorflow as tf
@@ -346,31 +350,59 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 if tf.distribute.has_strategy():
                     return super()._backend_update_step(grads, trainable_variables, learning_rate)
             return self._general.apply(self, grads, trainable_variables, learning_rate)
-        if keras.backend.backend() != "tensorflow" or not grads:
+        if not grads or not self._pack_updates or keras.distribution.distribution() is not None:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        import tensorflow as tf
+        tensorflow = keras.backend.backend() == "tensorflow"
+        if tensorflow:
+            import tensorflow as tf
 
-        if tf.distribute.has_strategy():
-            return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        small = []
-        for g, v in zip(grads, trainable_variables):
-            if math.prod(v.shape) >= _SMALL:
-                self.update_step(g, v, learning_rate)
+            if tf.distribute.has_strategy():
+                return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        inputs = [self._inputs(g, v, learning_rate) for g, v in zip(grads, trainable_variables)]
+        packed = []
+        for static, values, writes in inputs:
+            if packing.packable(static):
+                packed.append((static, values, writes))
             else:
-                small.append(self._inputs(g, v, learning_rate))
-        if not small:
-            return
-        statics = tuple(p[0] for p in small)
+                self._write(self._rule_for(static)(values), writes)
+        found = packing.groups(
+            [p[0] for p in packed], ["weight_decay" in p[1] for p in packed], largest=_SMALL
+        )
+        small = [g for g in found if math.prod(g.statics[0].shape) < _SMALL]
+        large = [g for g in found if math.prod(g.statics[0].shape) >= _SMALL]
+        # TensorFlow: one XLA computation for the small groups, one for each large one;
+        # JAX: all in the traced step, behind one finiteness test
+        calls = [[g] for g in large] + ([small] if small else []) if tensorflow else [found]
+        for call in calls:
+            rule = self._packed_for(tuple(g.statics for g in call))
+            values = [[packed[i][1] for i in g.indices] for g in call]
+            for g, news in zip(call, rule(values)):
+                for i, new in zip(g.indices, news):
+                    self._write(new, packed[i][2])
+
+    def _packed_for(self, statics: tuple):
+        """`packing.packed_rule` of each group in `statics` (a tuple of groups' `Static`s),
+        as one function of their inputs; on TensorFlow compiled with XLA."""
+        hyper = self._hyper()
+
+        def rule(values):
+            # Every gradient finite (the usual step): no per-variable selects. Otherwise
+            # each variable whose gradient holds an inf or NaN keeps its state.
+            def run(guard):
+                return [packing.packed_rule(st, hyper, v, guard) for st, v in zip(statics, values)]
+
+            finite = packing.all_finite([v["grad"] for group in values for v in group])
+            return ops.cond(finite, lambda: run(False), lambda: run(True))
+
+        if keras.backend.backend() != "tensorflow":
+            return rule
         cache = self.__dict__.setdefault("_compiled_rules", {})
-        if statics not in cache:
-            hyper = self._hyper()
+        key = ("packed", statics)
+        if key not in cache:
+            import tensorflow as tf
 
-            def rule_all(values):
-                return [lean_rule(st, hyper, v) for st, v in zip(statics, values)]
-
-            cache[statics] = tf.function(rule_all, jit_compile=True, autograph=False)
-        for new, (_, _, writes) in zip(cache[statics]([p[1] for p in small]), small):
-            self._write(new, writes)
+            cache[key] = tf.function(rule, jit_compile=True, autograph=False)
+        return cache[key]
 
     def _rule_for(self, static: Static):
         """The pure update for variables like `static`; on TensorFlow compiled with XLA

@@ -13,7 +13,7 @@ from keras import ops
 
 from keras_mp.lean import codecs as lean_codecs
 
-__all__ = ["Hyper", "Static", "constant", "lean_rule", "read", "to_float32"]
+__all__ = ["Hyper", "Static", "constant", "lean_rule", "read", "to_float32", "update"]
 
 
 class Static(NamedTuple):
@@ -55,15 +55,38 @@ def lean_rule(static: Static, hyper: Hyper, values: dict) -> dict:
         A dict with the new `weight` and, where given, `compensation`, `m`, `m_scale`,
         `v`, `v_scale`; all as given when the gradient has an inf or NaN.
     """
+    g = ops.reshape(ops.cast(values["grad"], "float32"), static.shape)
+    noise = lean_codecs.uniforms(static.shape, values["iterations"] * 1000003 + values["seed"], 3)
+    out = update(static, hyper, {**values, "grad": g}, noise)
+    # A non-finite gradient (a NaN batch, an overflow) changes neither the weight nor its
+    # state: the stored values are kept as they are (a select, fused into the update).
+    finite = ops.all(ops.isfinite(g))
+    return {k: ops.where(finite, x, values[k]) for k, x in out.items()}
+
+
+def update(static: Static, hyper: Hyper, values: dict, noise) -> dict:
+    """`lean_rule`'s arithmetic on given noise, before the non-finite guard.
+
+    Args:
+        static: shapes and formats (`Static`); `static.shape` is the shape of the
+            weight-shaped values (the weight, its gradient and compensation, float moments).
+        hyper: the optimizer's constants (`Hyper`).
+        values: as `lean_rule`'s, with `grad` already float32 of `static.shape`; `seed`
+            is not read.
+        noise: three uniform [0, 1) tensors of `static.shape`: the stochastic roundings'
+            noise of the weight, the first and the second moment.
+
+    Returns:
+        A dict with the new `weight` and, where given, `compensation`, `m`, `m_scale`,
+        `v`, `v_scale`, whatever the gradient holds.
+    """
     shape = static.shape
-    g = ops.reshape(ops.cast(values["grad"], "float32"), shape)
+    g = values["grad"]
     lr = values["lr"]
     comp = values.get("compensation")
     w = lean_codecs.decode_weight(values["weight"], comp, hyper.rounding)
     step = ops.cast(values["iterations"] + 1, "float32")
-    noise_w, noise_m, noise_v = lean_codecs.uniforms(
-        shape, values["iterations"] * 1000003 + values["seed"], 3
-    )
+    noise_w, noise_m, noise_v = noise
 
     def moment(name, signed):
         return lean_codecs.decode_moment(
@@ -114,10 +137,7 @@ def lean_rule(static: Static, hyper: Hyper, values: dict) -> dict:
             out["compensation"] = compensation
     else:
         out["weight"] = ops.cast(target, static.weight_dtype)
-    # A non-finite gradient (a NaN batch, an overflow) changes neither the weight nor its
-    # state: the stored values are kept as they are (a select, fused into the update).
-    finite = ops.all(ops.isfinite(g))
-    return {k: ops.where(finite, x, values[k]) for k, x in out.items()}
+    return out
 
 
 def read(variable):
