@@ -1,12 +1,13 @@
 """The lean training state: bfloat16 weights with compensated updates and compact moments.
 
 The face of the subpackage: `LeanOptimizer` (`optimizer.py`), its pure update rule
-(`rule.py`), the storage formats (`codecs.py`), the general path for any other Keras
+(`rule.py`) and its packed form for many variables at once (`packing.py`), the storage
+formats (`codecs.py`), the general path for any other Keras
 optimizer (`general.py`), the state's layout across devices (`sharding.py`) and
 `state_bytes` (`memory.py`).
 """
 
-from keras_mp.lean import codecs, general, rule, sharding
+from keras_mp.lean import codecs, general, packing, rule, sharding
 from keras_mp.lean.memory import StateBytes, state_bytes, variable_bytes
 from keras_mp.lean.optimizer import (
     DEFAULT_MOMENTS,
@@ -25,6 +26,7 @@ __all__ = [
     "codecs",
     "general",
     "lean_rule",
+    "packing",
     "rule",
     "sharding",
     "state_bytes",
