@@ -211,7 +211,9 @@ def main(argv=None) -> int:
             json.dump(
                 {
                     "date": time.strftime("%Y-%m-%d"),
-                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                    "machine": (
+                        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+                    ),
                     "keras": version("keras"),
                     "args": vars(args),
                     "rows": rows,
