@@ -25,7 +25,15 @@ from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import general as lean_general
 from keras_mp.lean import int4, packing
 from keras_mp.lean import sharding as lean_sharding
-from keras_mp.lean.rule import Hyper, Static, constant, lean_rule, read, to_float32
+from keras_mp.lean.rule import (
+    Hyper,
+    Static,
+    constant,
+    dense_gradient,
+    lean_rule,
+    read,
+    to_float32,
+)
 
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 
@@ -292,6 +300,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         specialised on, its inputs, and the variables its outputs are assigned to."""
         index = self._get_variable_index(variable)
         slot = self._slots[index]
+        gradient, square = dense_gradient(gradient)
         values = {
             "weight": read(variable),
             "grad": gradient,
@@ -299,6 +308,8 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             "iterations": ops.cast(self.iterations, "int32"),
             "seed": ops.convert_to_tensor(index * 7919, "int32"),
         }
+        if square is not None:
+            values["grad_square"] = square
         writes = {"weight": variable}
         if slot["compensation"] is not None:
             values["compensation"] = read(slot["compensation"])

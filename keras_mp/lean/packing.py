@@ -165,6 +165,12 @@ def packed_rule(statics: tuple, hyper: Hyper, values: list, guard: bool = True) 
         "lr": values[0]["lr"],
         "iterations": values[0]["iterations"],
     }
+    if any("grad_square" in v for v in values):  # a sparse gradient: Keras' square
+        squares = [
+            ops.cast(v["grad_square"], "float32") if "grad_square" in v else ops.square(g)
+            for v, g in zip(values, [ops.cast(v["grad"], "float32") for v in values])
+        ]
+        packed["grad_square"] = _concat([_rows(q, st) for q, st in zip(squares, statics)])
     if "weight_decay" in values[0]:
         packed["weight_decay"] = values[0]["weight_decay"]
     for name in ("weight", "compensation"):

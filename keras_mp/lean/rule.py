@@ -13,7 +13,16 @@ from keras import ops
 
 from keras_mp.lean import codecs as lean_codecs
 
-__all__ = ["Hyper", "Static", "constant", "lean_rule", "read", "to_float32", "update"]
+__all__ = [
+    "Hyper",
+    "Static",
+    "constant",
+    "dense_gradient",
+    "lean_rule",
+    "read",
+    "to_float32",
+    "update",
+]
 
 
 class Static(NamedTuple):
@@ -56,6 +65,8 @@ def lean_rule(static: Static, hyper: Hyper, values: dict) -> dict:
         `v`, `v_scale`; all as given when the gradient has an inf or NaN.
     """
     g = ops.reshape(ops.cast(values["grad"], "float32"), static.shape)
+    if "grad_square" in values:
+        values = {**values, "grad_square": ops.reshape(values["grad_square"], static.shape)}
     noise = lean_codecs.uniforms(static.shape, values["iterations"] * 1000003 + values["seed"], 3)
     out = update(static, hyper, {**values, "grad": g}, noise)
     # A non-finite gradient (a NaN batch, an overflow) changes neither the weight nor its
@@ -115,7 +126,7 @@ def update(static: Static, hyper: Hyper, values: dict, noise) -> dict:
         m = moment("m", True)
         v = moment("v", False)
         m = m + (g - m) * (1.0 - hyper.beta_1)
-        v = v + (ops.square(g) - v) * (1.0 - hyper.beta_2)
+        v = v + (values.get("grad_square", ops.square(g)) - v) * (1.0 - hyper.beta_2)
         alpha = (
             lr
             * ops.sqrt(1.0 - ops.power(hyper.beta_2, step))
@@ -163,6 +174,23 @@ def constant(value):
     if value is None:
         return "zeros"
     return lambda shape, dtype=None: ops.cast(value, dtype)
+
+
+def dense_gradient(g) -> tuple:
+    """`(gradient, square)`: a sparse gradient (TensorFlow's `IndexedSlices`, one row per
+    lookup of an embedding) made dense, with the square Keras' Adam uses for it.
+
+    Keras' `ops.square` squares a sparse gradient's rows before they are summed, so on
+    TensorFlow Keras' Adam averages the sum of each lookup's squared gradient into its
+    second moment, not the square of the summed gradient (JAX's gradients are dense: no
+    difference there). `square` is that sum (None for a dense gradient), so the lean update
+    follows the rule of the optimizer it replaces on each backend."""
+    if not (hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape")):
+        return g, None
+    import tensorflow as tf  # only TensorFlow makes IndexedSlices
+
+    square = tf.IndexedSlices(tf.square(g.values), g.indices, g.dense_shape)
+    return tf.convert_to_tensor(g), tf.convert_to_tensor(square)
 
 
 def to_float32(g):
