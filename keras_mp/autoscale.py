@@ -47,7 +47,7 @@ def _runs_float16(model) -> bool:
 
 
 def _keras_mp_policy_in_sight(model) -> bool:
-    from keras_mp import policies
+    import keras_mp.policies as policies
 
     if isinstance(model.dtype_policy, (keras.dtype_policies.DTypePolicyMap, policies.Policy)):
         return True
@@ -75,7 +75,7 @@ def wants_keras_mp_scaler(model: keras.Model) -> bool:
 
 
 def _lean_policy_in_sight(model) -> bool:
-    from keras_mp import policies
+    import keras_mp.policies as policies
 
     def lean(policy) -> bool:
         if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
@@ -123,7 +123,7 @@ def stock_scaler_message(model: keras.Model) -> str | None:
 
 
 def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> None:
-    from keras_mp import optimizer_guard
+    import keras_mp.optimizer_guard as optimizer_guard
     from keras_mp.lean import LeanOptimizer
     from keras_mp.loss_scale import LossScaleOptimizer
 

@@ -173,7 +173,7 @@ def _loss(model, loss: Any):
     compiled = getattr(model, "loss", None)
     if compiled is not None:
         return compiled
-    from keras_mp import losses
+    import keras_mp.losses as losses
 
     return losses.SparseCategoricalCrossentropy(from_logits=True)
 

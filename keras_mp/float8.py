@@ -30,7 +30,7 @@ import numpy as np
 from keras import ops
 from keras.dtype_policies import DTypePolicyMap, QuantizedFloat8DTypePolicy
 
-from keras_mp import layers as kmp_layers
+import keras_mp.layers as kmp_layers
 from keras_mp.keep_list import output_layers
 
 __all__ = [
@@ -482,7 +482,7 @@ def float8_state(model: keras.Model) -> dict:
 
 
 def _fp8_devices() -> tuple[bool, str]:
-    from keras_mp import hardware
+    import keras_mp.hardware as hardware
 
     gpus = [d for d in hardware.report().devices if d.kind == "GPU"]
     if not gpus:

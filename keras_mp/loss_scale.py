@@ -362,7 +362,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             **kwargs,
         )
         self.loss_scale_config = config
-        from keras_mp import optimizer_guard
+        import keras_mp.optimizer_guard as optimizer_guard
 
         optimizer_guard.exempt(inner_optimizer)  # it gets scaled gradients from here
 

@@ -65,7 +65,7 @@ def exempt(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
 
 
 def _needs(variables) -> str | None:
-    from keras_mp import policies
+    import keras_mp.policies as policies
 
     remembered = policies.remembered_policy()
     lean_globally = remembered is not None and remembered.is_lean

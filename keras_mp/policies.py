@@ -15,7 +15,7 @@ from typing import Any
 
 import keras
 
-from keras_mp import keep_list
+import keras_mp.keep_list as keep_list
 from keras_mp.quiet import ignoring
 
 __all__ = [

@@ -197,7 +197,8 @@ def reapply_plan(model: keras.Model) -> bool:
     Returns:
         True if the model was made by `kmp.convert` and the plan was applied.
     """
-    from keras_mp import keep_list, policies
+    import keras_mp.keep_list as keep_list
+    import keras_mp.policies as policies
     from keras_mp.conversion.converter import apply_plan, saved_by_a_graph
 
     maps = [

@@ -449,7 +449,8 @@ def test_installed_script_reports_errors_in_one_line():
     assert proc.stderr.splitlines() == [
         "keras-mp compare: error: --policies: unknown policy 'fp8'; choose from float32, "
         "mixed_float16, mixed_bfloat16, lean_bfloat16, float16, bfloat16, "
-        "mixed_float16_calibrated."
+        "mixed_float16_calibrated or lean_bfloat16:ROUNDING:MOMENTS "
+        "(e.g. lean_bfloat16:stochastic:int4)."
     ], proc.stderr
     assert proc.stdout == ""
 

@@ -68,7 +68,7 @@ def _load(path: str):
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such model file: {path!r}")
     try:
-        from keras_mp import saving
+        import keras_mp.saving as saving
 
         return saving.load_model(path)
     except ImportError:  # pragma: no cover - keras_mp.saving is optional

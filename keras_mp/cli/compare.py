@@ -29,11 +29,11 @@ import keras
 import numpy as np
 
 import keras_mp as kmp
-from keras_mp import callbacks as kmp_callbacks
-from keras_mp import losses as kmp_losses
+import keras_mp.losses as kmp_losses
 from keras_mp.cli.data import Dataset, build_model, load_dataset
 from keras_mp.cli.records import EpochRecorder, peak_memory, reset_peak_memory
 from keras_mp.cli.settings import CALIBRATED, DEFAULT_POLICIES, CompareConfig, lean_variant
+from keras_mp.observe import callbacks as kmp_callbacks
 
 __all__ = [
     "DEFAULT_POLICIES",

@@ -9,7 +9,7 @@ def run(args) -> int:
     """Prints `kmp.hardware.report()`; returns the exit status."""
     import keras
 
-    from keras_mp import hardware
+    import keras_mp.hardware as hardware
 
     report = hardware.report()
     print(f"keras {keras.__version__}, backend {keras.backend.backend()}")

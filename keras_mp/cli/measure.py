@@ -204,7 +204,7 @@ def _keras_mp_api():
 @contextlib.contextmanager
 def _strict_fp32(backend: str):
     """TF32 off (`kmp.hardware.set_tf32(False)`) inside, the backend's setting restored after."""
-    from keras_mp import hardware
+    import keras_mp.hardware as hardware
 
     if backend == "jax":
         import jax

@@ -206,7 +206,7 @@ def notes(rows: list[dict], cfg) -> list[str]:
     Returns:
         A list of sentences (possibly empty).
     """
-    from keras_mp import formats
+    import keras_mp.formats as formats
 
     out = []
     ref = next((r for r in rows if r["policy"] == "float32"), None)

@@ -59,11 +59,11 @@ def lean_variant(policy: str) -> tuple | None:
     Returns:
         A `(rounding, moments)` tuple or None.
     """
-    from keras_mp.lean import codecs
-
     name, *variant = policy.split(":")
     if name != LEAN or len(variant) != 2:
-        return None
+        return None  # decided without importing Keras: `--help` and typos stay fast
+    from keras_mp.lean import codecs
+
     rounding, moments = variant
     if rounding not in codecs.ROUNDINGS or moments not in codecs.MOMENT_FORMATS:
         return None

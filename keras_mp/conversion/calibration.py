@@ -37,7 +37,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_mp import keep_list
+import keras_mp.keep_list as keep_list
 from keras_mp.conversion.confirm import overflowing, pruned
 from keras_mp.conversion.probe import activation_gradients, matmul_flops, trace, unpack
 from keras_mp.conversion.trial import forward_failure

@@ -20,7 +20,8 @@ from typing import Any
 import keras
 from keras.src.utils.tracking import DotNotTrackScope
 
-from keras_mp import keep_list, optimizer_guard
+import keras_mp.keep_list as keep_list
+import keras_mp.optimizer_guard as optimizer_guard
 from keras_mp.conversion import calibration
 from keras_mp.conversion import runcheck as _runcheck
 from keras_mp.conversion.boundary import cast_at_boundaries, cast_model_outputs
@@ -163,8 +164,8 @@ def _track_after_dropout(attention, softmax) -> None:
 
 
 def _swap_layers(layers, where: dict, the_plan: keep_list.Plan, policy: Policy) -> None:
-    from keras_mp import activations
-    from keras_mp import layers as kmp_layers
+    import keras_mp.activations as activations
+    import keras_mp.layers as kmp_layers
 
     fast_norm = "normalization" in policy.keep_fp32
     for layer in layers:

@@ -17,7 +17,7 @@ import math
 import keras
 import numpy as np
 
-from keras_mp import keep_list
+import keras_mp.keep_list as keep_list
 from keras_mp.conversion.boundary import casts_to
 
 __all__ = [

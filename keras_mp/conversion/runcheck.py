@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import keras
 
-from keras_mp import keep_list
+import keras_mp.keep_list as keep_list
 from keras_mp.conversion import calibration
 from keras_mp.conversion.trial import (
     RunFailure,

@@ -16,7 +16,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_mp import keep_list
+import keras_mp.keep_list as keep_list
 from keras_mp.conversion.probe import _hooked
 
 __all__ = [

@@ -137,7 +137,7 @@ class GeneralState:
         config.update(_OUTER_ONLY)
         self.inner = _functional_class(type(inner)).from_config(config)
         self.inner.__dict__["_lean_real"] = {}
-        from keras_mp import optimizer_guard
+        import keras_mp.optimizer_guard as optimizer_guard
 
         optimizer_guard.exempt(self.inner)  # updates float32 placeholders, as its wrapper says
         self.kind = type(inner).__name__.lower()

@@ -20,7 +20,7 @@ import keras
 from keras import ops
 from keras.src.utils import tracking
 
-from keras_mp import optimizer_guard
+import keras_mp.optimizer_guard as optimizer_guard
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import general as lean_general
 from keras_mp.lean import int4, packing

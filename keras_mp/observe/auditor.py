@@ -18,7 +18,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_mp import keep_list
+import keras_mp.keep_list as keep_list
 from keras_mp.conversion.probe import gradients, to_numpy, trace, unpack
 from keras_mp.keep_list import emits_logits
 from keras_mp.observe.audit_report import AuditReport, LayerAudit, VariableAudit
@@ -348,7 +348,7 @@ def _state(model) -> dict | None:
 
 def _proposal(model, x, margin: float, model_fp32: bool):
     """The calibrated mixed_float16 plan for `model` on `x` (None where it cannot be made)."""
-    from keras_mp import policies
+    import keras_mp.policies as policies
     from keras_mp.conversion.converter import convert, plan
 
     policy = model.dtype_policy
