@@ -179,7 +179,10 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 "or False."
             )
         self.shard_over_data = shard_over_data
-        self._pack_updates = True  # False: one `lean_rule` per variable (for comparison)
+        # Packed groups (`packing`) on TensorFlow; per-variable on JAX, where the traced
+        # step already fuses them and packing raised XLA:CPU's step peak above float32's
+        # on small models (tests/test_fit.py): measured on a GPU before it is switched on.
+        self._pack_updates = keras.backend.backend() == "tensorflow"
         self.beta_1 = float(getattr(inner_optimizer, "beta_1", 0.9))
         self.beta_2 = float(getattr(inner_optimizer, "beta_2", 0.999))
         self.epsilon = float(getattr(inner_optimizer, "epsilon", 1e-7))
