@@ -53,7 +53,9 @@ __all__ = [
     "block_for",
     "blocks_for",
     "moment_shapes",
+    "hash_index",
     "random_bits",
+    "uniform_fields",
     "uniforms",
     "stochastic_round_bfloat16",
 ]
@@ -74,11 +76,6 @@ _KAHAN_STEPS = 254.0  # int8 compensation: units of ulp / 254, |code| <= 127
 # -- random bits --------------------------------------------------------------------
 
 
-def _shr(x, bits: int):
-    """Logical right shift of an int32 tensor."""
-    return ops.bitwise_and(ops.right_shift(x, bits), (1 << (32 - bits)) - 1)
-
-
 def _as_int32(value: int) -> int:
     value &= 0xFFFFFFFF
     return value - (1 << 32) if value >= 1 << 31 else value
@@ -97,24 +94,38 @@ def random_bits(shape, seed) -> object:
     Returns:
         An int32 tensor of `shape`.
     """
-    return ops.reshape(ops.bitwise_and(_hash(shape, seed), 0xFFFF), shape)
+    bits = ops.bitwise_and(_hash(shape, seed), _uint32(0xFFFF))
+    return ops.reshape(ops.cast(bits, "int32"), shape)
 
 
 def _hash(shape, seed):
-    """32 hashed bits (int32) for each element of a flattened `shape`, from its index and
-    `seed`."""
-    size = max(1, math.prod(shape))
-    key = _mix(ops.cast(seed, "int32") + _as_int32(0x6A09E667))
-    return _mix(ops.multiply(ops.arange(size, dtype="int32"), _as_int32(0x9E3779B1)) + key)
+    """32 hashed bits (uint32) for each element of a flattened `shape`, from its index
+    and `seed`.
+
+    Unsigned arithmetic: the same bits as wrapping int32 arithmetic, and its right shifts
+    are logical without a mask (three fewer operations per element than int32's)."""
+    return hash_index(ops.arange(max(1, math.prod(shape)), dtype="int32"), seed)
+
+
+def hash_index(index, seed):
+    """32 hashed bits (uint32) of each element index in `index` (int32 or uint32) under
+    `seed` (an int32 tensor broadcastable against `index`): `random_bits`' and
+    `uniforms`' hash, for callers that lay several variables' elements out together."""
+    key = _mix(ops.cast(ops.cast(seed, "int32"), "uint32") + _uint32(0x6A09E667))
+    return _mix(ops.cast(index, "uint32") * _uint32(0x9E3779B1) + key)
+
+
+def _uint32(value: int):
+    return ops.convert_to_tensor(value, dtype="uint32")
 
 
 def _mix(h):
-    """murmur3's 32-bit finaliser (wrapping int32 arithmetic)."""
-    h = ops.bitwise_xor(h, _shr(h, 16))
-    h = ops.multiply(h, _as_int32(0x85EBCA6B))
-    h = ops.bitwise_xor(h, _shr(h, 13))
-    h = ops.multiply(h, _as_int32(0xC2B2AE35))
-    return ops.bitwise_xor(h, _shr(h, 16))
+    """murmur3's 32-bit finaliser (uint32 `h`, wrapping arithmetic)."""
+    h = ops.bitwise_xor(h, ops.right_shift(h, 16))
+    h = ops.multiply(h, _uint32(0x85EBCA6B))
+    h = ops.bitwise_xor(h, ops.right_shift(h, 13))
+    h = ops.multiply(h, _uint32(0xC2B2AE35))
+    return ops.bitwise_xor(h, ops.right_shift(h, 16))
 
 
 def uniforms(shape, seed, count: int = 3) -> list:
@@ -132,11 +143,16 @@ def uniforms(shape, seed, count: int = 3) -> list:
     """
     if not 1 <= count <= 3:
         raise ValueError(f"uniforms: count must be 1, 2 or 3, got {count}.")
-    h = _hash(shape, seed)
+    return [ops.reshape(u, shape) for u in uniform_fields(_hash(shape, seed), count)]
+
+
+def uniform_fields(h, count: int = 3) -> list:
+    """`count` uniform [0, 1) float32 tensors, 10 bits each, from the hashed bits `h`
+    (uint32, `hash_index`): bits 0-9, 10-19 and 20-29."""
     out = []
     for i in range(count):
-        field = ops.bitwise_and(_shr(h, 10 * i) if i else h, 0x3FF)
-        out.append(ops.reshape(ops.cast(field, "float32") * (1.0 / 1024.0), shape))
+        field = ops.bitwise_and(ops.right_shift(h, 10 * i) if i else h, _uint32(0x3FF))
+        out.append(ops.cast(field, "float32") * (1.0 / 1024.0))
     return out
 
 

@@ -121,8 +121,6 @@ def _split(x, counts: list) -> list:
 def _noise(iterations, seeds, counts: list, length: int) -> list:
     """`codecs.uniforms`' three noise fields of every row's values: the hash of (step,
     variable, element index within the variable) that `lean_rule` uses."""
-    from keras_mp.lean.codecs import _as_int32, _mix, _shr
-
     local = np.concatenate([np.arange(n, dtype="int32") for n in counts]) * length
     index = ops.expand_dims(ops.convert_to_tensor(local, "int32"), 1) + ops.expand_dims(
         ops.arange(length, dtype="int32"), 0
@@ -130,13 +128,8 @@ def _noise(iterations, seeds, counts: list, length: int) -> list:
     seed_rows = _concat(
         [ops.broadcast_to(ops.reshape(s, (1,)), (n,)) for s, n in zip(seeds, counts)]
     )
-    key = _mix(ops.cast(iterations * 1000003 + seed_rows, "int32") + _as_int32(0x6A09E667))
-    h = _mix(ops.multiply(index, _as_int32(0x9E3779B1)) + ops.expand_dims(key, 1))
-    out = []
-    for i in range(3):
-        field = ops.bitwise_and(_shr(h, 10 * i) if i else h, 0x3FF)
-        out.append(ops.cast(field, "float32") * (1.0 / 1024.0))
-    return out
+    seed = ops.expand_dims(ops.cast(iterations * 1000003 + seed_rows, "int32"), 1)
+    return lean_codecs.uniform_fields(lean_codecs.hash_index(index, seed), 3)
 
 
 def packed_rule(statics: tuple, hyper: Hyper, values: list, guard: bool = True) -> list:
