@@ -117,6 +117,10 @@ def test_groups_pack_alike_small_variables_and_leave_large_ones_alone():
         (2,),
         (3,),
     ]
+    # a sparse gradient (its own square) never shares a group with dense ones
+    squares = [False, True, False, False]
+    found = packing.groups(statics, [True] * 4, 65536, squares=squares)
+    assert [g.indices for g in found] == [(0,), (1,), (2,), (3,)]
     sharded = Static((8, 8), "bfloat16", "int8", "int8", blocks_for((8, 8), 64, (2, 1)))
     assert not packing.packable(sharded)
     assert packing.packable(static((8, 8), m="int4"))

@@ -1,9 +1,10 @@
-"""The lean training state: bfloat16 weights with compensated updates, compact moments.
+"""The lean training state: bfloat16 weights with unbiased updates, compact moments.
 
 `LeanOptimizer` runs Adam, AdamW or SGD (with or without momentum) with the update
 arithmetic in float32 inside the train step, and stores what persists between steps
-compactly (`keras_mp.lean.codecs`): bfloat16 weights with an 8-bit Kahan compensation
-buffer, and block-wise 8-bit moments. Any other Keras optimizer (RMSprop, Adafactor,
+compactly (`keras_mp.lean.codecs`): by default bfloat16 weights rounded stochastically
+and block-wise 4-bit moments (about 3 bytes a parameter; `rounding="kahan"` with
+`moments="int8"`, 5 bytes, was the default before 2026-12-03). Any other Keras optimizer (RMSprop, Adafactor,
 Lion, Muon...) keeps the same storage and runs its own update on the decoded float32
 state (`keras_mp.lean.general`). Under the `"lean_bfloat16"` policy a model's
 trainable weights are bfloat16 (the keep-list's layers keep float32 weights) and
@@ -37,9 +38,13 @@ from keras_mp.lean.rule import (
 
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 
-DEFAULT_ROUNDING = "kahan"
+# The default state, chosen by measurement (docs/lean.md, "The defaults, by measurement"):
+# stochastic rounding and 4-bit moments, the lightest state within 1% of float32's
+# validation loss on both seeds of benchmarks/text_lm.py (about 3.06 bytes a parameter on a
+# transformer). Files saved with the earlier default keep theirs: the config names both.
+DEFAULT_ROUNDING = "stochastic"
 _SMALL = 65536  # variables with fewer values are packed together (`lean.packing`)
-DEFAULT_MOMENTS = "int8"
+DEFAULT_MOMENTS = "int4"
 
 # Optimizer classes whose state LeanOptimizer knows how to keep (exact types: a subclass
 # may change the update rule, which would be silently replaced).
@@ -83,15 +88,16 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     float32 reduction), and every update is computed in float32 from the decoded weight
     and moments, then stored back:
 
-    - a bfloat16 weight with `rounding="kahan"` keeps what rounding to bfloat16 lost in an
-      int8 compensation buffer (about 16 significant bits in all; 3 bytes a parameter), so
-      updates far below the weight's bfloat16 ulp still add up. `"kahan16"` keeps a
-      bfloat16 buffer instead (4 bytes); `"stochastic"` keeps no buffer and rounds up or
-      down at random, unbiased (2 bytes).
+    - a bfloat16 weight with `rounding="stochastic"` (the default) keeps no buffer and
+      rounds up or down at random, unbiased, so updates far below the weight's bfloat16
+      ulp still add up on average (2 bytes a parameter). `"kahan"` keeps what rounding to
+      bfloat16 lost in an int8 compensation buffer (about 16 significant bits in all; 3
+      bytes); `"kahan16"` keeps a bfloat16 buffer instead (4 bytes).
     - a float32 weight (a layer the keep-list pins) is updated exactly.
     - a gradient with an inf or NaN leaves its weight and moments as they were.
-    - the moments are stored as `moments="int8"` (block-wise 8-bit codes with a float32
-      scale per `block_size` values; 2 bytes a parameter for Adam's two moments),
+    - the moments are stored as `moments="int4"` (the default: block-wise 4-bit codes,
+      two a byte, with a float32 scale per `block_size` values; about 1.06 bytes a
+      parameter for Adam's two moments), `"int8"` (8-bit codes: 2 bytes),
       `"bfloat16"` or `"float32"`. Tensors smaller than `min_quantized_size` keep float32
       moments (biases and norm scales: a negligible share of the parameters).
 
@@ -105,11 +111,13 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         inner_optimizer: a Keras optimizer (not a `LossScaleOptimizer` or
             `MultiOptimizer`). Exactly `Adam` (without amsgrad), `AdamW` and `SGD` take
             the fused path.
-        rounding: how bfloat16 weights absorb updates: `"kahan"` (default), `"kahan16"`
-            or `"stochastic"`.
-        moments: storage of the moments: `"int8"` (default), `"int4"` (two codes a byte:
-            1 byte a parameter for Adam's two moments, so `rounding="stochastic"` keeps
-            about 3 bytes a parameter in all), `"bfloat16"`, `"float32"`.
+        rounding: how bfloat16 weights absorb updates: `"stochastic"` (default),
+            `"kahan"` or `"kahan16"`.
+        moments: storage of the moments: `"int4"` (default; two codes a byte: about 1
+            byte a parameter for Adam's two moments, so with the default rounding the
+            state holds about 3.06 bytes a parameter in all), `"int8"` (with
+            `rounding="kahan"`: 5 bytes, the default before 2026-12-03), `"bfloat16"`,
+            `"float32"`.
         block_size: values per scale of the quantized moments (default: 2048 for
             `"int8"`, 128 for `"int4"`).
         min_quantized_size: tensors with fewer elements keep float32 moments.
@@ -380,7 +388,10 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             else:
                 self._write(self._rule_for(static)(values), writes)
         found = packing.groups(
-            [p[0] for p in packed], ["weight_decay" in p[1] for p in packed], largest=_SMALL
+            [p[0] for p in packed],
+            ["weight_decay" in p[1] for p in packed],
+            largest=_SMALL,
+            squares=["grad_square" in p[1] for p in packed],
         )
         small = [g for g in found if math.prod(g.statics[0].shape) < _SMALL]
         large = [g for g in found if math.prod(g.statics[0].shape) >= _SMALL]

@@ -55,7 +55,7 @@ def packable(static: Static) -> bool:
     )
 
 
-def groups(statics, decays, largest: int | None = None) -> list:
+def groups(statics, decays, largest: int | None = None, squares=None) -> list:
     """The variables grouped for `packed_rule`, in their first member's order.
 
     Args:
@@ -63,18 +63,29 @@ def groups(statics, decays, largest: int | None = None) -> list:
         decays: whether each variable has weight decay.
         largest: variables with at least this many values each form a group of their
             own (None: no limit).
+        squares: whether each variable's gradient comes with its own square (a sparse
+            gradient, `rule.dense_gradient`; default: none). They are grouped apart, so
+            that a group of dense gradients never carries squares.
 
     Returns:
         A list of `Group`.
     """
     found: dict = {}
     out = []
-    for i, (static, decay) in enumerate(zip(statics, decays)):
+    squares = squares if squares is not None else [False] * len(statics)
+    for i, (static, decay, square) in enumerate(zip(statics, decays, squares)):
         alone = largest is not None and math.prod(static.shape) >= largest
         key = (
             ("alone", i)
             if alone
-            else (static.weight_dtype, static.m, static.v, static.blocks.length, bool(decay))
+            else (
+                static.weight_dtype,
+                static.m,
+                static.v,
+                static.blocks.length,
+                bool(decay),
+                bool(square),
+            )
         )
         if key not in found:
             found[key] = len(out)
@@ -162,7 +173,7 @@ def packed_rule(statics: tuple, hyper: Hyper, values: list, guard: bool = True) 
         squares = [
             ops.cast(v["grad_square"], "float32") if "grad_square" in v else ops.square(g)
             for v, g in zip(values, [ops.cast(v["grad"], "float32") for v in values])
-        ]
+        ]  # (`groups` keeps dense gradients apart: a mixed group is a direct call's)
         packed["grad_square"] = _concat([_rows(q, st) for q, st in zip(squares, statics)])
     if "weight_decay" in values[0]:
         packed["weight_decay"] = values[0]["weight_decay"]
