@@ -4,9 +4,9 @@
 arithmetic in float32 inside the train step, and stores what persists between steps
 compactly (`keras_mp.lean.codecs`): by default bfloat16 weights rounded stochastically
 and block-wise 4-bit moments (about 3 bytes a parameter; `rounding="kahan"` with
-`moments="int8"`, 5 bytes, was the default before 2026-12-03). Any other Keras optimizer (RMSprop, Adafactor,
-Lion, Muon...) keeps the same storage and runs its own update on the decoded float32
-state (`keras_mp.lean.general`). Under the `"lean_bfloat16"` policy a model's
+`moments="int8"`, 5 bytes, was the default before 2026-12-03). Any other Keras optimizer
+(RMSprop, Adafactor, Lion, Muon...) keeps the same storage and runs its own update on
+the decoded float32 state (`keras_mp.lean.general`). Under the `"lean_bfloat16"` policy a model's
 trainable weights are bfloat16 (the keep-list's layers keep float32 weights) and
 `compile(optimizer="adamw")` gets a `LeanOptimizer` by itself (`keras_mp.autoscale`).
 Float32 weights are updated exactly; only their moments are compressed.
