@@ -3,8 +3,8 @@
 A keras_hub GPT-2 causal LM (built from small explicit sizes, no download) is trained on the
 Python standard library's own source, byte by byte, twice from the same weights: under
 `mixed_bfloat16` (float32 master weights and Adam moments: 12 bytes a parameter) and under
-`lean_bfloat16` (bfloat16 weights with an 8-bit compensation buffer and 8-bit moments:
-about 5). Same batches, same schedule; it prints the state and the loss of each.
+`lean_bfloat16` (bfloat16 weights rounded stochastically and 4-bit moments: about 3).
+Same batches, same schedule; it prints the state and the loss of each.
 
     python examples/lean_finetune.py          # a few minutes on a laptop CPU
     KERAS_MP_EXAMPLE_FAST=1 python examples/lean_finetune.py

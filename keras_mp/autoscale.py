@@ -14,7 +14,7 @@ carry their own float16 policies. Keras' scaler has no bounds: its scale can gro
   saying what it lacks.
 
 Under the `"lean_bfloat16"` policy (bfloat16 weights), a plain Keras optimizer becomes
-`kmp.LeanOptimizer` (compensated float32 updates, 8-bit moments): Adam, AdamW and SGD on
+`kmp.LeanOptimizer` (float32 updates, stochastic rounding, 4-bit moments): Adam, AdamW and SGD on
 its fused path, any other (`"rmsprop"`, Adafactor, Lion...) through its own update on the
 decoded state; a wrapper (`LossScaleOptimizer`, `MultiOptimizer`) raises a `ValueError`.
 

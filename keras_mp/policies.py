@@ -93,8 +93,8 @@ class Policy(keras.DTypePolicy):
     Dense/EinsumDense with delayed scaling, see `keras_mp.float8`; everything else as under
     `"mixed_bfloat16"`; the FP8 layers are made by `convert`); `"lean_bfloat16"`
     (bfloat16 compute as `"mixed_bfloat16"`, but trainable weights stored in bfloat16 and
-    updated by `keras_mp.LeanOptimizer` with compensated float32 arithmetic and 8-bit
-    moments: about 5 bytes of training state a parameter instead of 12 or more; the
+    updated by `keras_mp.LeanOptimizer` with float32 arithmetic, stochastic rounding and
+    4-bit moments: about 3 bytes of training state a parameter instead of 12 or more; the
     keep-list's layers keep float32 weights).
 
     Under a low-precision policy the layers matched by `keep_fp32` get the `"float32"` Keras

@@ -19,8 +19,9 @@ times its train steps and returns the JSON record of `keras_mp.cli.benchmark`. T
 - `keras_mp_float8`: `kmp.convert(model, kmp.Policy("float8"))`: FP8 Dense/EinsumDense
   (delayed scaling) over mixed_bfloat16; its `speedup_vs_stock` is against stock bf16.
 - `keras_mp_lean_bfloat16`: `kmp.convert(model, kmp.Policy("lean_bfloat16"))`, compiled
-  with AdamW (which becomes `kmp.LeanOptimizer`): bfloat16 weights with compensated
-  updates and 8-bit moments; its `speedup_vs_stock` is against stock bf16.
+  with AdamW (which becomes `kmp.LeanOptimizer`): bfloat16 weights rounded
+  stochastically and 4-bit moments (the defaults since 2026-12-03; kahan + int8 before);
+  its `speedup_vs_stock` is against stock bf16.
 
 Example:
 
@@ -67,7 +68,7 @@ POLICIES = {
     "keras_mp_mixed_float16": "mixed_float16",
     "stock_mixed_float16_kmp_scaler": "mixed_float16",  # the loss scaler's overhead alone
     "keras_mp_float8": "float8",  # FP8 matmuls over mixed_bfloat16: compared with stock bf16
-    # bf16 weights, int8 compensation and moments (kmp.LeanOptimizer): vs stock bf16
+    # bf16 weights, 4-bit moments, stochastic rounding (kmp.LeanOptimizer): vs stock bf16
     "keras_mp_lean_bfloat16": "lean_bfloat16",
     "float32_strict": "float32",
 }

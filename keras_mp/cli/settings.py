@@ -36,8 +36,8 @@ DEFAULT_POLICIES = (
 # Mixed float16 with the keep-list calibrated on the training data (kmp.convert(...,
 # calibrate=...)): the fix for activations past float16's range.
 CALIBRATED = "mixed_float16_calibrated"
-# bfloat16 weights with compensated updates and 8-bit moments (keras_mp.lean): ~5 bytes of
-# training state a parameter instead of 12.
+# bfloat16 weights with stochastically rounded updates and 4-bit moments (keras_mp.lean):
+# ~3 bytes of training state a parameter instead of 12.
 LEAN = "lean_bfloat16"
 POLICIES = DEFAULT_POLICIES + (CALIBRATED,)
 # --model t5 (a T5-style encoder whose feed-forward output passes 65,504, as a trained T5's

@@ -3,7 +3,7 @@
 `LeanOptimizer` updates Adam, AdamW and SGD with its own fused rule (`keras_mp.lean`).
 Every other optimizer (RMSprop, Adagrad, Adadelta, Adamax, Nadam, Ftrl, Lion, Adafactor,
 Lamb, Muon, Adam with amsgrad, a subclass) takes the general path here: each step the
-bfloat16 weights (plus their compensation) and the optimizer's slots are decoded to
+bfloat16 weights (plus their compensation, if any) and the optimizer's slots are decoded to
 float32, the optimizer's own `update_step` runs on them functionally (Keras'
 `StatelessScope`, as its `stateless_apply` does), and the new weights and slots are
 encoded back.

@@ -2,7 +2,7 @@
 
 A `LeanOptimizer` variable's state (the compensation buffer, the moments' codes and their
 block scales) is laid out like the weight it belongs to: under `ModelParallel` a kernel
-split over a "model" axis has its compensation split the same way and its 8-bit moments
+split over a "model" axis has its compensation split the same way and its quantized moments
 cut into blocks that never straddle two devices (`lean_codecs.Blocks`), so every device
 holds the state of its own shard and nothing else. With `shard_over_data=True` the state
 is split further across the data-parallel axis (ZeRO stage 1: the weights stay as the
