@@ -152,6 +152,21 @@ def test_notes_explain_pure_modes_from_format_facts():
     assert all("beta_2" not in n for n in sgd) and len(sgd) == 2
 
 
+def test_notes_say_what_the_lean_state_stores():
+    lean = {**_row(0.98), "policy": "lean_bfloat16", "label": "lean bfloat16",
+            "verdict": "matches FP32", "state_bytes_per_parameter": 3.27,
+            "lean_state": {"rounding": "stochastic", "moments": "int4"}}
+    mixed = {**_row(0.98), "policy": "mixed_bfloat16", "label": "mixed bfloat16",
+             "verdict": "matches FP32", "state_bytes_per_parameter": 12.04}
+    (note,) = notes([mixed, lean], CompareConfig())
+    assert note.startswith("lean bfloat16: 3.27 bytes of training state a parameter "
+                           "(mixed bfloat16: 12.04): bfloat16 weights rounded stochastically")
+    assert "4-bit moments" in note and "compensation" not in note
+    # a record written before rows named their state: the default of the time
+    (old,) = notes([{**lean, "lean_state": None}], CompareConfig())
+    assert "8-bit compensation buffer, 8-bit moments" in old
+
+
 # -- data and models -----------------------------------------------------------------------
 
 

@@ -192,6 +192,11 @@ def run_policy(
         "history": {k: [e[k] for e in epochs] for k in epochs[0]},
         "fp32_pins": [p.path for p in model.precision_plan.pins],
     }
+    if isinstance(model.optimizer, kmp.LeanOptimizer):  # what the lean state stores
+        row["lean_state"] = {
+            "rounding": model.optimizer.rounding,
+            "moments": model.optimizer.moments,
+        }
     cal = model.precision_plan.calibration
     if cal is not None:
         row["fp32_flops"] = cal.fp32_flops
@@ -292,7 +297,8 @@ def run_compare(cfg: CompareConfig, progress=None) -> dict:
         `policy`, `label`, `compile`, `val_accuracy`, `val_loss`, `train_loss`,
         `accuracy_diff`, `steps_per_second`, `speed_ratio`, `peak_memory_bytes`,
         `state_bytes_per_parameter` (persistent training state, `kmp.state_bytes`),
-        `skipped_steps`, `final_loss_scale`, `frozen_fraction`, `verdict`, `history`, ...)
+        `skipped_steps`, `final_loss_scale`, `frozen_fraction`, `verdict`, `history`,
+        `lean_state` (a lean row's `rounding` and `moments`), ...)
         and `wall_seconds`.
     """
     import platform

@@ -196,6 +196,24 @@ def _finite(value) -> bool:
     return value is not None and math.isfinite(value)
 
 
+_ROUNDING = {
+    "stochastic": "bfloat16 weights rounded stochastically (unbiased: updates below their "
+    "ulp add up on average)",
+    "kahan": "bfloat16 weights whose rounding error is kept in an 8-bit compensation buffer",
+    "kahan16": "bfloat16 weights whose rounding error is kept in a bfloat16 compensation "
+    "buffer",
+}
+_MOMENTS = {"int4": "4-bit", "int8": "8-bit", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+def _lean_state(state: dict | None) -> str:
+    """What a lean row's state stores (`results.json`'s `lean_state`; records written
+    before it existed were kahan + int8, the default until 2026-12-03)."""
+    state = state or {"rounding": "kahan", "moments": "int8"}
+    rounding = _ROUNDING.get(state.get("rounding"), "bfloat16 weights")
+    return f"{rounding}, {_MOMENTS.get(state.get('moments'), 'compact')} moments"
+
+
 def notes(rows: list[dict], cfg) -> list[str]:
     """Plain-language explanations of the pure-mode rows, from the measured values.
 
@@ -244,9 +262,8 @@ def notes(rows: list[dict], cfg) -> list[str]:
             )
             out.append(
                 f"{r['label']}: {r['state_bytes_per_parameter']:.2f} bytes of training state a "
-                f"parameter{than}: bfloat16 weights whose rounding error is kept in an 8-bit "
-                "compensation buffer, 8-bit moments, updates computed in float32 "
-                "(kmp.LeanOptimizer)."
+                f"parameter{than}: {_lean_state(r.get('lean_state'))}, updates computed in "
+                "float32 (kmp.LeanOptimizer)."
             )
             continue
         if r["policy"] not in ("float16", "bfloat16"):
