@@ -31,6 +31,13 @@ X = _rng.normal(size=(BATCH * STEPS, WIDTH)).astype("float32")
 Y = _rng.normal(size=(BATCH * STEPS, WIDTH)).astype("float32")
 
 
+# The lean state these scenarios (and docs/distributed.md's table) measure: kahan + int8,
+# the default before 2026-12-03 (5 bytes a parameter: its compensation buffer is int8, what
+# TensorFlow's collective broadcast refused). The default stochastic + int4 state's blocks
+# per shard: tests/test_lean_int4.py::test_int4_blocks_follow_the_shards.
+KAHAN_INT8 = {"rounding": "kahan", "moments": "int8"}
+
+
 def make_model(keras, kmp, policy="lean_bfloat16", weights=None, seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((WIDTH,))
@@ -74,7 +81,8 @@ def tf_train(tf, keras, kmp, strategy, policy, weights=None, seed=0, global_batc
     with strategy.scope():
         model = make_model(keras, kmp, policy, weights, seed)
         opt = keras.optimizers.AdamW(1e-2)
-        opt = kmp.LeanOptimizer(opt) if policy == "lean_bfloat16" else opt
+        if policy == "lean_bfloat16":  # KAHAN_INT8: its int8 buffer the broadcast refused
+            opt = kmp.LeanOptimizer(opt, **KAHAN_INT8)
         opt.build(model.trainable_variables)
     init = [np.asarray(keras.ops.convert_to_numpy(v.value), "float32") for v in model.weights]
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(global_batch)
@@ -166,7 +174,7 @@ def jax_train(keras, kmp, distribution, policy="lean_bfloat16", shard=False, pro
         model = make_model(keras, kmp, policy)
         inner = keras.optimizers.AdamW(1e-2)
         if policy == "lean_bfloat16":
-            opt = kmp.LeanOptimizer(inner, shard_over_data=shard, block_size=256)
+            opt = kmp.LeanOptimizer(inner, shard_over_data=shard, block_size=256, **KAHAN_INT8)
         else:
             opt = kmp.LossScaleOptimizer(inner) if policy == "mixed_float16" else inner
         model.compile(optimizer=opt, loss="mse")

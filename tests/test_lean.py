@@ -164,41 +164,76 @@ def test_float32_weights_and_moments_match_keras(make):
 
 def test_int8_moments_stay_close_to_keras_adamw():
     ref = _train(_mlp(), keras.optimizers.AdamW(1e-3), steps=8)
-    got = _train(_mlp(), kmp.LeanOptimizer(keras.optimizers.AdamW(1e-3)), steps=8)
+    got = _train(_mlp(), kmp.LeanOptimizer(keras.optimizers.AdamW(1e-3), moments="int8"), steps=8)
     init = [np_(v.value) for v in _mlp().trainable_variables]
     for a, b, w0 in zip(ref, got, init):
         moved = np.abs(a - w0).max()
         assert np.abs(a - b).max() < 0.15 * moved + 1e-6
 
 
-def test_bfloat16_weights_follow_mixed_bfloat16_training():
+@pytest.mark.parametrize(
+    "rounding,moments,bound",
+    # 8 steps from the same weights: mean |lean - mixed| / mean |mixed - start| per variable,
+    # measured on TF / JAX: kahan + int8 0.05, 0.01, 0.03, 0.00 (both); the default
+    # stochastic + int4 0.31 / 0.30, 0.20 / 0.16, 0.21 / 0.21, 0.00 (its 4-bit moments take
+    # most of it: kahan + int4 0.25, 0.20, 0.18; one run's stochastic roundings scatter
+    # about sqrt(moved x ulp) around the expected weight)
+    [("kahan", "int8", 0.2), (None, None, 0.4)],
+    ids=["kahan-int8", "default"],
+)
+def test_bfloat16_weights_follow_mixed_bfloat16_training(rounding, moments, bound):
     ref = _train(kmp.convert(_mlp(), "mixed_bfloat16"), keras.optimizers.AdamW(1e-3), steps=8)
     model = kmp.convert(_mlp(), "lean_bfloat16")
     assert [v.dtype for v in model.trainable_variables] == ["bfloat16"] * 4
-    _train(model, "adamw", steps=8)
+    if rounding is None:
+        _train(model, "adamw", steps=8)  # the default state
+    else:
+        inner = keras.optimizers.AdamW(1e-3)
+        _train(model, kmp.LeanOptimizer(inner, rounding=rounding, moments=moments), steps=8)
     opt = model.optimizer
     assert isinstance(opt, kmp.LeanOptimizer) and opt.kind == "adamw"
+    assert (opt.rounding, opt.moments) == (rounding or "stochastic", moments or "int4")
     exact = [np_(w) for w in opt.weights_float32()]
     init = [np_(v.value) for v in _mlp().trainable_variables]
     for a, b, w0 in zip(ref, exact, init):
-        # same compute dtype; the weights differ by their initial rounding to bfloat16 and
-        # the 8-bit moments: on average a small fraction of what the 8 steps moved them
-        assert np.abs(a - b).mean() < 0.2 * np.abs(a - w0).mean()
-    assert any(np.abs(b - np_(v.value)).max() > 0 for b, v in zip(exact, model.trainable_variables))
+        # same compute dtype; the weights differ by their initial rounding to bfloat16, the
+        # weights' rounding and the quantized moments: a fraction of what 8 steps moved them
+        assert np.abs(a - b).mean() < bound * np.abs(a - w0).mean()
+    stored = [np_(v.value) for v in model.trainable_variables]
+    offsets = [np.abs(b - v).max() for b, v in zip(exact, stored)]
+    if rounding == "kahan":  # the compensation holds what bfloat16 lost
+        assert any(o > 0 for o in offsets)
+    else:  # no compensation: the float32 value is the stored bfloat16 one
+        assert all(o == 0 for o in offsets)
 
 
 def test_lean_state_bytes():
     model = kmp.convert(_mlp(), "lean_bfloat16")
     model.compile(optimizer="adamw", loss="mse")
+    assert (model.optimizer.rounding, model.optimizer.moments) == ("stochastic", "int4")
     lean = kmp.state_bytes(model)
     mixed = kmp.convert(_mlp(), "mixed_bfloat16")
     mixed.compile(optimizer="adamw", loss="mse")
     assert kmp.state_bytes(mixed).per_parameter >= 12.0
-    assert lean.per_parameter <= 6.0, str(lean)
     n = lean.parameters
     assert n == 16 * 128 + 128 + 128 * 3 + 3
-    assert lean.weights == 2 * n and lean.compensation == n
+    opt = model.optimizer  # its step counter: int64 on TensorFlow, int32 on JAX; the rate
+    counters = sum(np.dtype(v.dtype).itemsize for v in (opt.iterations, opt._learning_rate))
+    # the default: bfloat16 weights, no compensation, 4-bit moments (two codes a byte and
+    # a float32 scale per 128 values; the 3-value bias keeps float32 moments)
+    assert lean.weights == 2 * n and lean.compensation == 0
+    assert lean.optimizer - counters == 2176 + 136 + 408 + 24, str(lean)  # 2 kernels, 2 biases
+    assert lean.per_parameter == pytest.approx(3.07, abs=0.01)
     assert "bytes/parameter" in str(lean)
+    # the default before 2026-12-03: an int8 compensation byte and 8-bit moments
+    kahan = kmp.convert(_mlp(), "lean_bfloat16")
+    opt = kmp.LeanOptimizer(keras.optimizers.AdamW(), rounding="kahan", moments="int8")
+    kahan.compile(optimizer=opt, loss="mse")
+    kahan.optimizer.build(kahan.trainable_variables)
+    state = kmp.state_bytes(kahan)
+    assert state.weights == 2 * n and state.compensation == n
+    assert state.optimizer - counters == 5168  # 8-bit codes, a scale per 2048 values
+    assert state.per_parameter == pytest.approx(5.02, abs=0.01)
 
 
 def test_policy_names_and_keep_list():
@@ -289,10 +324,13 @@ def test_fit_with_and_without_xla(jit):
 
 
 def test_save_load_and_resume_bit_identical(tmp_path):
+    # kahan + int8 (the compensation buffer saved and resumed); the default stochastic +
+    # int4 state: tests/test_lean_int4.py::test_int4_config_save_load_and_resume_...
     x, y = _data(64)
     model = kmp.convert(_mlp(), "lean_bfloat16")
     loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer="adamw", loss=loss)
+    opt = kmp.LeanOptimizer(keras.optimizers.AdamW(), rounding="kahan", moments="int8")
+    model.compile(optimizer=opt, loss=loss)
     for i in range(3):
         model.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
     path = str(tmp_path / "lean.keras")
@@ -329,7 +367,9 @@ def test_keras_hub_gpt2_trains_lean():
     assert np.isfinite(hist).all() and hist[-1] < hist[0]
     low = [v for v in model.trainable_variables if v.dtype == "bfloat16"]
     assert len(low) > len(model.trainable_variables) // 2
-    assert kmp.state_bytes(model).per_parameter <= 6.0
+    # stochastic + int4 (the default); 19,712 parameters, so the small tensors' float32
+    # moments weigh more than on a larger model (3.06 there, tests/test_lean_int4.py)
+    assert kmp.state_bytes(model).per_parameter <= 3.3
 
 
 @pytest.mark.tf_only
@@ -376,7 +416,7 @@ def test_audit_reports_the_training_state():
     report = kmp.audit(model, (x, y))
     state = report.to_dict()["state_bytes"]
     assert state["per_parameter"] == pytest.approx(kmp.state_bytes(model).per_parameter, 1e-3)
-    assert state["per_parameter"] <= 6.0
+    assert state["per_parameter"] <= 3.1  # stochastic + int4: 3.075 on this MLP
     assert "training state:" in str(report)
     assert all(r.fp32_reason != "model output" for r in report.layers)  # lean's logits are fine
     fresh = kmp.convert(_mlp(), "mixed_bfloat16")

@@ -35,7 +35,7 @@ def _train(model, opt, steps):
         model.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
     return [np_(v.value) for v in model.trainable_variables]
 
-# name: (the optimizer, the slots it keeps per weight: 8-bit moments under lean)
+# name: (the optimizer, the slots it keeps per weight: 8-bit moments under kahan + int8)
 OPTIMIZERS = {
     "rmsprop": (lambda: keras.optimizers.RMSprop(1e-3), 1),
     "adagrad": (lambda: keras.optimizers.Adagrad(5e-2), 1),
@@ -74,10 +74,12 @@ def test_each_optimizer_trains_like_mixed_bfloat16(name):
     got = _train(_mlp(), kmp.LeanOptimizer(make(), moments="float32"), steps=2)
     for a, b in zip(ref, got):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # lean_bfloat16 (bfloat16 weights + int8 compensation, 8-bit slots) vs mixed_bfloat16
+    # lean_bfloat16 (bfloat16 weights + int8 compensation, 8-bit slots: kahan + int8, the
+    # default before 2026-12-03; the default stochastic + int4 on the general path:
+    # tests/test_lean_int4.py::test_int4_general_path) vs mixed_bfloat16
     mixed = _loss_after(kmp.convert(_mlp(), "mixed_bfloat16"), make(), 12)
     model = kmp.convert(_mlp(), "lean_bfloat16")
-    opt = kmp.LeanOptimizer(make())
+    opt = kmp.LeanOptimizer(make(), rounding="kahan", moments="int8")
     lean = _loss_after(model, opt, 12)
     assert abs(lean - mixed) <= TOLERANCE * mixed, (lean, mixed)
     assert lean < 1.1, lean  # it trains: the initial loss is 1.17 (TF), 1.28 (JAX)
