@@ -247,24 +247,6 @@ def build(policy: str, kwargs: dict, distribution, remat: bool):
     return model, forced
 
 
-def _hlo_cost(lowered) -> dict:
-    """XLA's cost analysis of the unoptimised HLO (what the program asks for, rematerialised
-    forward passes included; cuDNN attention custom calls count 0), by the CPU client (a
-    compile-only XLA:GPU client has none)."""
-    try:
-        cost = lowered.cost_analysis()
-    except NotImplementedError:
-        cost = None
-    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    if "flops" not in cost:
-        from jax._src import xla_bridge
-        from jax._src.lib import _jax
-
-        module = lowered._lowering.hlo().as_hlo_module()
-        cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module) or {}
-    return cost
-
-
 def _model_parallel():
     import keras
 
@@ -292,7 +274,7 @@ def _shard_bytes(struct) -> int:
 def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str) -> dict:
     import jax
     import jax.numpy as jnp
-    from xla_memory import _analysis
+    from xla_memory import _analysis, hlo_flops
 
     base, _, suffix = policy.partition("@")
     if base not in POLICIES:
@@ -333,7 +315,7 @@ def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str
         out_shardings = (None, jax.tree.map(lambda s: s.sharding, state))
     step = jax.jit(model.train_step, donate_argnums=0, out_shardings=out_shardings)
     lowered = step.lower(state, data)
-    hlo_cost = _hlo_cost(lowered)
+    flops = hlo_flops(lowered)
     compiled = lowered.compile()
     analysis = _analysis(compiled)
     record = {
@@ -354,7 +336,7 @@ def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str
         "weights_gib_per_device": round(weights / GIB, 3),
         "optimizer_gib_per_device": round(optimizer_bytes / GIB, 3),
         "weights_and_state_gib_per_device": round((weights + optimizer_bytes) / GIB, 3),
-        "hlo_flops": float(hlo_cost["flops"]) if "flops" in hlo_cost else None,
+        "hlo_flops": flops,
         **analysis,
         "compile_s": round(time.perf_counter() - start, 1),
     }

@@ -6,16 +6,16 @@ import keras
 import ml_dtypes
 import numpy as np
 import pytest
+from _lean_helpers import data as _data
+from _lean_helpers import mlp as _mlp
+from _lean_helpers import np_
+from _lean_helpers import train as _train
 from keras import ops
 
 import keras_mp as kmp
 from keras_mp.lean import codecs
 
 BACKEND = keras.backend.backend()
-
-
-def np_(x):
-    return np.asarray(ops.convert_to_numpy(x)).astype("float32")
 
 
 # -- codecs ------------------------------------------------------------------------------
@@ -117,32 +117,6 @@ def test_int8_moments_follow_a_slow_average():
 
 
 # -- LeanOptimizer -----------------------------------------------------------------------
-
-
-def _mlp(dtype="float32", seed=0):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((16,))
-    h = keras.layers.Dense(128, activation="relu", dtype=dtype)(inputs)
-    outputs = keras.layers.Dense(3, dtype=dtype)(h)
-    return keras.Model(inputs, outputs)
-
-
-def _data(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 16)).astype("float32")
-    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
-
-
-def _train(model, opt, steps=5, **compile_kwargs):
-    x, y = _data()
-    model.compile(
-        optimizer=opt,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        **compile_kwargs,
-    )
-    for i in range(steps):
-        model.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
-    return [np_(v.value) for v in model.trainable_variables]
 
 
 @pytest.mark.parametrize(

@@ -3,37 +3,13 @@
 import keras
 import numpy as np
 import pytest
-from keras import ops
+from _lean_helpers import assert_resume_bit_identical, np_, train_batches
+from _lean_helpers import data as _data
+from _lean_helpers import mlp as _mlp
+from _lean_helpers import train as _train
 
 import keras_mp as kmp
 from keras_mp.lean import general as lean_general
-
-
-def np_(x):
-    return np.asarray(ops.convert_to_numpy(x)).astype("float32")
-
-
-def _mlp(seed=0):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((16,))
-    h = keras.layers.Dense(128, activation="relu")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(3)(h))
-
-
-def _data(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 16)).astype("float32")
-    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
-
-
-def _train(model, opt, steps):
-    x, y = _data()
-    model.compile(
-        optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
-    for i in range(steps):
-        model.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
-    return [np_(v.value) for v in model.trainable_variables]
 
 # name: (the optimizer, the slots it keeps per weight: 8-bit moments under kahan + int8)
 OPTIMIZERS = {
@@ -150,24 +126,11 @@ def test_save_load_and_resume_bit_identical(tmp_path):
     model = kmp.convert(_mlp(), "lean_bfloat16")
     loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(optimizer=keras.optimizers.RMSprop(1e-3, momentum=0.5), loss=loss)
-    for i in range(3):
-        model.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
-    path = str(tmp_path / "lean.keras")
-    model.save(path)
-    loaded = kmp.saving.load_model(path)
+    train_batches(model, x, y, 0, 3)
+    loaded = assert_resume_bit_identical(model, str(tmp_path / "lean.keras"), x, y)
     assert isinstance(loaded.optimizer, kmp.LeanOptimizer)
     assert loaded.optimizer.kind == "rmsprop"
     assert loaded.optimizer._general.inner.momentum == 0.5
-    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
-        assert a.dtype == b.dtype and a.path == b.path
-        np.testing.assert_array_equal(np_(a.value), np_(b.value))
-    for m in (model, loaded):
-        for i in range(3, 6):
-            m.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
-    for a, b in zip(model.trainable_variables, loaded.trainable_variables):
-        np.testing.assert_array_equal(np_(a.value), np_(b.value))
-    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
-        np.testing.assert_array_equal(np_(a.value), np_(b.value))
 
 
 def test_unsigned_slots_use_the_unsigned_map():

@@ -3,14 +3,11 @@
 import keras
 import numpy as np
 import pytest
+from _lean_helpers import assert_resume_bit_identical, data, mlp, np_, train_batches
 from keras import ops
 
 import keras_mp as kmp
 from keras_mp.lean import codecs, int4
-
-
-def np_(x):
-    return np.asarray(ops.convert_to_numpy(x)).astype("float32")
 
 
 def _moment(signed, shape=(3, 1000), seed=1):
@@ -136,23 +133,9 @@ def test_the_default_stochastic_int4_holds_3_bytes_a_parameter_on_gpt2():
     assert kmp.state_bytes(model).per_parameter > 4.9
 
 
-def _mlp(dtype="float32", seed=0):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((16,))
-    h = keras.layers.Dense(256, activation="relu", dtype=dtype)(inputs)
-    outputs = keras.layers.Dense(3, dtype=dtype)(h)
-    return keras.Model(inputs, outputs)
-
-
-def _data(n=512, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 16)).astype("float32")
-    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
-
-
 def _fit(policy, optimizer):
-    x, y = _data()
-    model = kmp.convert(_mlp(), policy)
+    x, y = data(512)
+    model = kmp.convert(mlp(256), policy)
     model.compile(
         optimizer=optimizer,
         loss=kmp.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -185,27 +168,14 @@ def test_int4_general_path():
 
 
 def test_int4_config_save_load_and_resume_bit_identical(tmp_path):
-    x, y = _data(64)
-    model = kmp.convert(_mlp(), "lean_bfloat16")
+    x, y = data(64)
+    model = kmp.convert(mlp(256), "lean_bfloat16")
     opt = kmp.LeanOptimizer(keras.optimizers.AdamW(1e-3), rounding="stochastic", moments="int4")
     config = opt.get_config()
     assert config["moments"] == "int4" and config["block_size"] is None
     again = kmp.LeanOptimizer.from_config(config)
     assert (again.moments, again.rounding, again.block_length) == ("int4", "stochastic", 128)
     model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_logits=True))
-    for i in range(3):
-        model.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
-    path = str(tmp_path / "lean_int4.keras")
-    model.save(path)
-    loaded = kmp.saving.load_model(path)
+    train_batches(model, x, y, 0, 3)
+    loaded = assert_resume_bit_identical(model, str(tmp_path / "lean_int4.keras"), x, y)
     assert loaded.optimizer.moments == "int4"
-    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
-        assert a.dtype == b.dtype and a.path == b.path
-        np.testing.assert_array_equal(np_(a.value), np_(b.value))
-    for m in (model, loaded):
-        for i in range(3, 6):
-            m.train_on_batch(x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
-    for a, b in zip(model.trainable_variables, loaded.trainable_variables):
-        np.testing.assert_array_equal(np_(a.value), np_(b.value))
-    for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
-        np.testing.assert_array_equal(np_(a.value), np_(b.value))
