@@ -399,10 +399,19 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         )
         if not found:
             return
-        rule = self._packed_for(tuple(g.statics for g in found))
         values = [[packed[i][1] for i in g.indices] for g in found]
-        for g, news in zip(found, rule(values)):
-            for i, new in zip(g.indices, news):
+
+        # Every gradient finite (the usual step): no per-variable selects. Otherwise each
+        # variable whose gradient holds an inf or NaN keeps its state.
+        def run(guard):
+            return [
+                packing.packed_rule(g.statics, hyper, v, guard) for g, v in zip(found, values)
+            ]
+
+        finite = packing.all_finite([v["grad"] for group in values for v in group])
+        news = ops.cond(finite, lambda: run(False), lambda: run(True))
+        for g, group in zip(found, news):
+            for i, new in zip(g.indices, group):
                 self._write(new, packed[i][2])
 
     def _compiled_update(self, grads, trainable_variables, learning_rate) -> None:
@@ -423,22 +432,6 @@ class LeanOptimizer(keras.optimizers.Optimizer):
 
             cache[key] = tf.function(update, jit_compile=True, autograph=False)
         cache[key](list(grads), tf.convert_to_tensor(learning_rate))
-
-    def _packed_for(self, statics: tuple):
-        """`packing.packed_rule` of each group in `statics` (a tuple of groups' `Static`s),
-        as one function of their inputs (traced into the caller's computation)."""
-        hyper = self._hyper()
-
-        def rule(values):
-            # Every gradient finite (the usual step): no per-variable selects. Otherwise
-            # each variable whose gradient holds an inf or NaN keeps its state.
-            def run(guard):
-                return [packing.packed_rule(st, hyper, v, guard) for st, v in zip(statics, values)]
-
-            finite = packing.all_finite([v["grad"] for group in values for v in group])
-            return ops.cond(finite, lambda: run(False), lambda: run(True))
-
-        return rule
 
     def _rule_for(self, static: Static):
         """The pure update for variables like `static`; on TensorFlow compiled with XLA

@@ -32,7 +32,7 @@ import numpy as np
 from keras import ops
 
 from keras_mp.lean import codecs as lean_codecs
-from keras_mp.lean.rule import Hyper, Static, update
+from keras_mp.lean.rule import Hyper, Static, noise_seed, update
 
 __all__ = ["Group", "all_finite", "groups", "packable", "packed_rule"]
 
@@ -139,7 +139,7 @@ def _noise(iterations, seeds, counts: list, length: int) -> list:
     seed_rows = _concat(
         [ops.broadcast_to(ops.reshape(s, (1,)), (n,)) for s, n in zip(seeds, counts)]
     )
-    seed = ops.expand_dims(ops.cast(iterations * 1000003 + seed_rows, "int32"), 1)
+    seed = ops.expand_dims(ops.cast(noise_seed(iterations, seed_rows), "int32"), 1)
     return lean_codecs.uniform_fields(lean_codecs.hash_index(index, seed), 3)
 
 

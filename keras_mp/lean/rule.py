@@ -18,7 +18,9 @@ __all__ = [
     "Static",
     "constant",
     "dense_gradient",
+    "is_sparse",
     "lean_rule",
+    "noise_seed",
     "read",
     "to_float32",
     "update",
@@ -67,7 +69,7 @@ def lean_rule(static: Static, hyper: Hyper, values: dict) -> dict:
     g = ops.reshape(ops.cast(values["grad"], "float32"), static.shape)
     if "grad_square" in values:
         values = {**values, "grad_square": ops.reshape(values["grad_square"], static.shape)}
-    noise = lean_codecs.uniforms(static.shape, values["iterations"] * 1000003 + values["seed"], 3)
+    noise = lean_codecs.uniforms(static.shape, noise_seed(values["iterations"], values["seed"]), 3)
     out = update(static, hyper, {**values, "grad": g}, noise)
     # A non-finite gradient (a NaN batch, an overflow) changes neither the weight nor its
     # state: the stored values are kept as they are (a select, fused into the update).
@@ -185,7 +187,7 @@ def dense_gradient(g) -> tuple:
     second moment, not the square of the summed gradient (JAX's gradients are dense: no
     difference there). `square` is that sum (None for a dense gradient), so the lean update
     follows the rule of the optimizer it replaces on each backend."""
-    if not (hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape")):
+    if not is_sparse(g):
         return g, None
     import tensorflow as tf  # only TensorFlow makes IndexedSlices
 
@@ -193,7 +195,19 @@ def dense_gradient(g) -> tuple:
     return tf.convert_to_tensor(g), tf.convert_to_tensor(square)
 
 
+def noise_seed(iterations, seed):
+    """The hash seed of a step's stochastic roundings for one variable (or one of its
+    slots): `iterations` (int32, before the step) and the variable's own `seed` in one
+    int32, as every lean path derives it."""
+    return iterations * 1000003 + seed
+
+
+def is_sparse(g) -> bool:
+    """Whether `g` is a sparse gradient (TensorFlow's `IndexedSlices`)."""
+    return hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape")
+
+
 def to_float32(g):
-    if hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape"):
+    if is_sparse(g):
         return type(g)(ops.cast(g.values, "float32"), g.indices, g.dense_shape)
     return ops.cast(g, "float32")
