@@ -40,6 +40,8 @@ SIZES = {
 }
 ALL_SIZES = (*SIZES, "compare")
 POLICIES = ("mixed_bfloat16", "lean_bfloat16")
+# `--unpacked`: the lean step with each small variable's state in its own arrays too
+UNPACKED = "lean_bfloat16:pack_small=False"
 
 
 def char_gpt(keras, layers_: int, width: int, length: int, vocab: int = 256):
@@ -93,11 +95,15 @@ def measure(size: str, args) -> dict:
     import keras_mp as kmp
 
     base, x, y, make_optimizer = _workload(size, args)
+    variants = POLICIES + ((UNPACKED,) if args.unpacked else ())
     models = {}
-    for policy in POLICIES:
-        model = kmp.convert(base, policy)
+    for policy in variants:
+        model = kmp.convert(base, policy.split(":")[0])
+        optimizer = make_optimizer()
+        if policy == UNPACKED:
+            optimizer = kmp.LeanOptimizer(optimizer, pack_small=False)
         model.compile(
-            optimizer=make_optimizer(),
+            optimizer=optimizer,
             loss=kmp.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         start = time.perf_counter()
@@ -106,10 +112,10 @@ def measure(size: str, args) -> dict:
         for _ in range(args.warmup):
             model.train_on_batch(x, y)
         models[policy] = (model, first)
-    times = {p: [] for p in POLICIES}
+    times = {p: [] for p in variants}
     for r in range(args.rounds):
-        order = POLICIES if r % 2 == 0 else POLICIES[::-1]
-        for policy in order + order[::-1]:  # ABBA: each policy twice per round
+        order = variants if r % 2 == 0 else variants[::-1]
+        for policy in order + order[::-1]:  # ABBA (ABCCBA): each policy twice per round
             model = models[policy][0]
             block = []
             for _ in range(args.steps):
@@ -117,13 +123,18 @@ def measure(size: str, args) -> dict:
                 model.train_on_batch(x, y)
                 block.append(time.perf_counter() - start)
             times[policy].append(block)
-    per_round = {p: [] for p in POLICIES}
-    for p in POLICIES:
+    per_round = {p: [] for p in variants}
+    for p in variants:
         for r in range(args.rounds):
             steps = times[p][2 * r] + times[p][2 * r + 1]
             per_round[p].append(statistics.median(steps))
     ratios = [lean / mixed for lean, mixed in zip(per_round[POLICIES[1]], per_round[POLICIES[0]])]
     lean_opt = models["lean_bfloat16"][0].optimizer
+    extra = {}
+    if args.unpacked:
+        unpacked = [u / m for u, m in zip(per_round[UNPACKED], per_round[POLICIES[0]])]
+        extra["unpacked_ratio_median"] = round(statistics.median(unpacked), 4)
+        extra["unpacked_ratios"] = [round(r, 4) for r in unpacked]
     return {
         "backend": keras.backend.backend(),
         "size": size,
@@ -135,8 +146,12 @@ def measure(size: str, args) -> dict:
         "ratio_max": round(max(ratios), 4),
         "ratios": [round(r, 4) for r in ratios],
         "step_ms_median": {p: round(1e3 * statistics.median(v), 3) for p, v in per_round.items()},
+        # the fastest of all timed steps: on a machine whose load comes in bursts, the
+        # figure least moved by them
+        "step_ms_min": {p: round(1e3 * min(min(b) for b in v), 3) for p, v in times.items()},
         "first_step_s": {p: round(m[1], 2) for p, m in models.items()},
         "loss": {p: float(np.asarray(m[0].evaluate(x, y, verbose=0))) for p, m in models.items()},
+        **extra,
     }
 
 
@@ -149,19 +164,24 @@ def worker(args) -> int:
 
 
 def table(rows: list) -> str:
+    unpacked = any("unpacked_ratio_median" in r for r in rows)
     lines = [
         "| backend | model | parameters | variables | lean / mixed step (median) | spread "
-        "(min-max) | mixed step | lean step |",
-        "|---|---|---|---|---|---|---|---|",
+        "(min-max) | mixed step | lean step |"
+        + (" pack_small=False / mixed |" if unpacked else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if unpacked else ""),
     ]
     for r in rows:
         ms = r["step_ms_median"]
         name = r["size"] if r["size"] != "compare" else "compare transformer (Adam)"
-        lines.append(
+        line = (
             f"| {r['backend']} | {name} | {r['parameters']:,} | {r['variables']} | "
             f"**{r['ratio_median']:.2f}** | {r['ratio_min']:.2f}-{r['ratio_max']:.2f} | "
             f"{ms['mixed_bfloat16']:.1f} ms | {ms['lean_bfloat16']:.1f} ms |"
         )
+        if unpacked:
+            line += f" {r.get('unpacked_ratio_median', float('nan')):.2f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -174,6 +194,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--length", type=int, default=128)
+    p.add_argument(
+        "--unpacked",
+        action="store_true",
+        help="also time the lean step with pack_small=False (each state in its own arrays)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

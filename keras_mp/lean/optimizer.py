@@ -15,6 +15,7 @@ Float32 weights are updated exactly; only their moments are compressed.
 from __future__ import annotations
 
 import functools
+import math
 
 import keras
 from keras import ops
@@ -42,8 +43,9 @@ __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 # validation loss on both seeds of benchmarks/text_lm.py (about 3.06 bytes a parameter on a
 # transformer). Files saved with the earlier default keep theirs: the config names both.
 DEFAULT_ROUNDING = "stochastic"
-_SMALL = 65536  # variables with fewer values are packed together (`lean.packing`)
 DEFAULT_MOMENTS = "int4"
+_SMALL = 65536  # variables with fewer values are packed together (`lean.packing`)
+_FLAT_BLOCK = 128  # the longest block of a packed group's quantized moments
 
 # Optimizer classes whose state LeanOptimizer knows how to keep (exact types: a subclass
 # may change the update rule, which would be silently replaced).
@@ -125,6 +127,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             devices keeps 1/N of the compensation buffers and moments. Without it the
             state is placed like the weights (split under `ModelParallel`, whole on every
             device under `DataParallel`). See docs/distributed.md.
+        pack_small: keep the state of the variables under 65536 values (biases, norm
+            scales, small kernels) in a few shared buffers, one per group of alike
+            variables (same weight dtype, moment formats and weight decay), each variable
+            in whole blocks of its own (at most 128 values a scale), and update each group
+            as one: a few arrays and kernels a step instead of five per variable (default;
+            not with `shard_over_data` or the general path, which keep one state per
+            variable). Files saved before 2026-12-04 load with `pack_small=False`, the
+            layout they were written in.
         name: optimizer name.
 
     Example:
@@ -145,6 +155,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         block_size: int | None = None,
         min_quantized_size: int = 64,
         shard_over_data: bool = False,
+        pack_small: bool = True,
         name: str | None = None,
         **kwargs,
     ):
@@ -186,9 +197,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 "or False."
             )
         self.shard_over_data = shard_over_data
-        # Packed groups (`packing`) on TensorFlow; per-variable on JAX, where the traced
-        # step already fuses them and packing raised XLA:CPU's step peak above float32's
-        # on small models (tests/test_fit.py): measured on a GPU before it is switched on.
+        if not isinstance(pack_small, bool):
+            raise ValueError(
+                f"LeanOptimizer: invalid `pack_small`={pack_small!r}: expected True or False."
+            )
+        self.pack_small = pack_small
+        # Small variables that keep a state of their own (`pack_small=False`, a layout
+        # split across devices) are grouped for each step (`packing.stack`) on TensorFlow;
+        # on JAX each is traced into the step (XLA fuses them there).
         self._pack_updates = keras.backend.backend() == "tensorflow"
         self.beta_1 = float(getattr(inner_optimizer, "beta_1", 0.9))
         self.beta_2 = float(getattr(inner_optimizer, "beta_2", 0.999))
@@ -259,10 +275,16 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             return
         super().build(var_list)
         self._slots = []
-        for variable in var_list:
+        small = []  # (index, Static) of the variables whose state is packed
+        for index, variable in enumerate(var_list):
+            static = self._small_static(variable)
+            if static is not None:
+                small.append((index, static))
+                self._slots.append({"compensation": None, "m": None, "v": None, "group": None})
+                continue
             place = lean_sharding.placement(variable, self.shard_over_data)
             blocks = lean_sharding.blocks(place, variable.shape, self.block_length)
-            slot = {"compensation": None, "m": None, "v": None, "blocks": blocks}
+            slot = {"compensation": None, "m": None, "v": None, "blocks": blocks, "group": None}
             if variable.dtype == "bfloat16" and self.rounding != "stochastic":
                 dtype = "int8" if self.rounding == "kahan" else "bfloat16"
                 slot["compensation"] = self.add_variable(
@@ -279,8 +301,88 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             elif self.momentum > 0:
                 slot["m"] = self._add_moment(variable, "momentum", place, blocks)
             self._slots.append(slot)
+        self._groups = packing.groups(
+            [static for _, static in small],
+            [self._decays(var_list[index]) for index, _ in small],
+        )
+        self._group_state = [
+            self._add_group_state(k, g.statics) for k, g in enumerate(self._groups)
+        ]
+        # each group's members as indices of the optimizer's variables, in the group's order
+        self._members = [[small[i][0] for i in g.indices] for g in self._groups]
+        for k, group in enumerate(self._groups):
+            start = offset = 0
+            for member, static in zip(group.indices, group.statics):
+                slot = self._slots[small[member][0]]
+                size = math.prod(static.shape)
+                slot.update(
+                    group=k,
+                    static=static,
+                    rows=(start, static.blocks.count),
+                    values=(offset, size),
+                )
+                start += static.blocks.count
+                offset += size
         if self._general is not None:
             self._general.build(self, var_list)
+
+    def _small_static(self, variable):
+        """The `Static` of a variable whose state a packed group keeps (`pack_small`: under
+        `_SMALL` values, and whole on each device), with its blocks as laid out there; None
+        for a variable that keeps its own state."""
+        size = math.prod(variable.shape)
+        if not self.pack_small or self.shard_over_data or self._general is not None:
+            return None
+        if size >= _SMALL:
+            return None
+        if any(n != 1 for n in lean_sharding.placement(variable).shards):
+            return None  # split across devices (ModelParallel): its state is split alike
+        fmt = self._moment_format(variable)
+        formats = {"adam": (fmt, fmt), "adamw": (fmt, fmt)}.get(self.kind)
+        if formats is None:
+            formats = (fmt if self.momentum > 0 else None, None)
+        # quantized moments: whole blocks of each variable, at most _FLAT_BLOCK values a
+        # scale; other formats have no blocks (rows of one value: no padding)
+        length = min(self.block_length, _FLAT_BLOCK) if fmt in lean_codecs.QUANTIZED else 1
+        rank = len(variable.shape)
+        blocks = lean_codecs.Blocks((1,) * rank, max(1, -(-size // length)), length)
+        return Static(
+            shape=tuple(variable.shape),
+            weight_dtype=keras.backend.standardize_dtype(variable.dtype),
+            m=formats[0],
+            v=formats[1],
+            blocks=blocks,
+        )
+
+    def _decays(self, variable) -> bool:
+        return self.weight_decay is not None and bool(self._use_weight_decay(variable))
+
+    def _add_group_state(self, k: int, statics: tuple) -> dict:
+        """The shared state variables of packed group `k` (`pack_small`): its rows of
+        compensation and moments."""
+        first = statics[0]
+        rows = sum(st.blocks.count for st in statics)
+        length = first.blocks.length
+        layout = lean_codecs.Blocks((1, 1), rows, length)
+        state = {}
+        if first.weight_dtype == "bfloat16" and self.rounding != "stochastic":
+            state["compensation"] = self.add_variable(  # the members' values: no padding
+                (sum(math.prod(st.shape) for st in statics),),
+                dtype="int8" if self.rounding == "kahan" else "bfloat16",
+                name=f"small{k}_compensation",
+            )
+        for name, label in (("m", "momentum"), ("v", "velocity")):
+            fmt = getattr(first, name)
+            if fmt is None:
+                continue
+            codes_shape, scales_shape = lean_codecs.moment_shapes((rows, length), fmt, layout)
+            dtype = {"int8": "uint8", "int4": "uint8", "bfloat16": "bfloat16"}.get(fmt, "float32")
+            state[name] = self.add_variable(codes_shape, dtype=dtype, name=f"small{k}_{label}")
+            if scales_shape is not None:
+                state[name + "_scale"] = self.add_variable(
+                    scales_shape, dtype="float32", name=f"small{k}_{label}_scale"
+                )
+        return state
 
     def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
         """EMA averages and gradient accumulators are float32 whatever the weight's dtype."""
@@ -310,16 +412,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         specialised on, its inputs, and the variables its outputs are assigned to."""
         index = self._get_variable_index(variable)
         slot = self._slots[index]
-        gradient, square = dense_gradient(gradient)
-        values = {
-            "weight": read(variable),
-            "grad": gradient,
-            "lr": ops.cast(learning_rate, "float32"),
-            "iterations": ops.cast(self.iterations, "int32"),
-            "seed": ops.convert_to_tensor(index * 7919, "int32"),
-        }
-        if square is not None:
-            values["grad_square"] = square
+        values = self._values(gradient, variable, learning_rate, index)
         writes = {"weight": variable}
         if slot["compensation"] is not None:
             values["compensation"] = read(slot["compensation"])
@@ -330,8 +423,6 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 values[name], writes[name] = read(codes), codes
                 if scales is not None:
                     values[name + "_scale"], writes[name + "_scale"] = read(scales), scales
-        if self.weight_decay is not None and self._use_weight_decay(variable):
-            values["weight_decay"] = ops.cast(self.weight_decay, "float32")
         static = Static(
             shape=tuple(variable.shape),
             weight_dtype=keras.backend.standardize_dtype(variable.dtype),
@@ -340,6 +431,22 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             blocks=slot["blocks"],
         )
         return static, values, writes
+
+    def _values(self, gradient, variable, learning_rate, index: int) -> dict:
+        """A variable's `lean_rule` inputs other than its stored state."""
+        gradient, square = dense_gradient(gradient)
+        values = {
+            "weight": read(variable),
+            "grad": gradient,
+            "lr": ops.cast(learning_rate, "float32"),
+            "iterations": ops.cast(self.iterations, "int32"),
+            "seed": ops.convert_to_tensor(index * 7919, "int32"),
+        }
+        if square is not None:
+            values["grad_square"] = square
+        if self._decays(variable):
+            values["weight_decay"] = ops.cast(self.weight_decay, "float32")
+        return values
 
     def _write(self, new: dict, writes: dict) -> None:
         for name, target in writes.items():
@@ -352,17 +459,22 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 "once; it does not run under a tf.distribute strategy (Adam, AdamW and SGD "
                 "do)."
             )
+        if self._slots[self._get_variable_index(variable)]["group"] is not None:
+            raise RuntimeError(  # the packed groups update together (_backend_update_step)
+                f"LeanOptimizer: {variable.path!r} is updated with its packed group, not "
+                "on its own (pack_small)."
+            )
         static, values, writes = self._inputs(gradient, variable, learning_rate)
         self._write(self._rule_for(static)(values), writes)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        """All variables' updates, packed (`keras_mp.lean.packing`): the variables under
-        `_SMALL` values (biases, norm scales, small kernels) in a few groups of rows, each
-        group updated as one; each larger variable on its own, all behind one finiteness
-        test. On TensorFlow the whole update is one XLA computation that reads and writes
-        the variables itself (`_compiled_update`); on JAX it is traced into the step.
-        Under a `tf.distribute` strategy or a `keras.distribution`, Keras' per-variable
-        path (`update_step`)."""
+        """All variables' updates: each packed group of small variables (`pack_small`, or
+        on TensorFlow the variables under `_SMALL` values grouped for the step) as one,
+        each larger variable on its own, all behind one finiteness test. On TensorFlow
+        the whole update is one XLA computation that reads and writes the variables
+        itself (`_compiled_update`); on JAX it is traced into the step. Under a
+        `tf.distribute` strategy, each group and each larger variable in the strategy's
+        update context (`_distributed_tf_update_step`)."""
         if self._general is not None and grads:
             if keras.backend.backend() == "tensorflow":
                 import tensorflow as tf
@@ -370,7 +482,10 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 if tf.distribute.has_strategy():
                     return super()._backend_update_step(grads, trainable_variables, learning_rate)
             return self._general.apply(self, grads, trainable_variables, learning_rate)
-        if not grads or not self._pack_updates or keras.distribution.distribution() is not None:
+        loose = not self._groups and (
+            not self._pack_updates or keras.distribution.distribution() is not None
+        )
+        if not grads or loose:
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
@@ -380,14 +495,102 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             return self._compiled_update(grads, trainable_variables, learning_rate)
         self._packed_update(grads, trainable_variables, learning_rate)
 
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        """TensorFlow under a `tf.distribute` strategy: Keras' per-variable update for the
+        variables with a state of their own; each packed group in the update context of
+        its first member, its members and state read and written there (each replica's
+        own copies)."""
+        members: dict = {}
+        alone = []
+        for grad, var in grads_and_vars:
+            k = self._slots[self._get_variable_index(var)]["group"]
+            if k is None:
+                alone.append((grad, var))
+            else:
+                members.setdefault(k, []).append((grad, var))
+        if alone:
+            super()._distributed_tf_update_step(distribution, alone, learning_rate)
+
+        def group_update(anchor, k, grads, variables, learning_rate):
+            del anchor  # the update context's variable: the group's first member
+            self._group_update(k, grads, variables, learning_rate, guard=True)
+
+        for k, pairs in members.items():
+            distribution.extended.update(
+                pairs[0][1],
+                group_update,
+                args=(k, [g for g, _ in pairs], [v for _, v in pairs], learning_rate),
+                group=False,
+            )
+
+    def _group_update(self, k: int, grads, variables, learning_rate, guard: bool) -> None:
+        """Packed group `k`'s update for the given members (the others kept as they were:
+        a variable without a gradient this step), written to the members and the state;
+        compiled with XLA (TensorFlow, in a strategy's update context)."""
+        weights, state = self._group_run(k, grads, variables, learning_rate, compile=True)(guard)
+        self._write_group(k, weights, state, variables)
+
+    def _group_run(self, k: int, grads, variables, learning_rate, compile: bool = False):
+        """A function of `guard` giving group `k`'s new `(weights, state)` for the members
+        `variables` (in any order; members without a gradient are kept); with `compile`,
+        the pure update is an XLA computation of the values read here."""
+        group = self._groups[k]
+        given = {}
+        for grad, var in zip(grads, variables):
+            index = self._get_variable_index(var)
+            given[index] = self._values(grad, var, learning_rate, index)
+        values, skip = [], []
+        for index, static in zip(self._members[k], group.statics):
+            if index in given:
+                values.append(given[index])
+                skip.append(False)
+            else:  # no gradient: a zero one, and its rows kept
+                var = self._trainable_variables[index]
+                values.append(self._values(ops.zeros(static.shape), var, learning_rate, index))
+                skip.append(True)
+        state = {name: read(v) for name, v in self._group_state[k].items()}
+        rule = functools.partial(packing.packed_rule, group.statics, self._hyper())
+        if not compile:
+            return lambda guard: rule(values, state, guard, skip=skip)
+        import tensorflow as tf
+
+        cache = self.__dict__.setdefault("_compiled_groups", {})
+
+        def run(guard):
+            key = (k, guard, tuple(skip))
+            if key not in cache:
+                pure = functools.partial(rule, guard=guard, skip=skip)
+                cache[key] = tf.function(pure, jit_compile=True, autograph=False)
+            return cache[key](values, state)
+
+        return run
+
+    def _write_group(self, k: int, weights, state: dict, variables) -> None:
+        given = {self._get_variable_index(v): v for v in variables}
+        for index, weight in zip(self._members[k], weights):
+            if index in given:
+                self.assign(given[index], weight)
+        for name, value in state.items():
+            self.assign(self._group_state[k][name], value)
+
     def _packed_update(self, grads, trainable_variables, learning_rate) -> None:
-        """The packed update of all variables, written to them (as traced: JAX's step, or
-        inside `_compiled_update`'s XLA computation)."""
-        inputs = [self._inputs(g, v, learning_rate) for g, v in zip(grads, trainable_variables)]
-        packed = []
+        """The update of all variables, written to them (as traced: JAX's step, or inside
+        `_compiled_update`'s XLA computation): the packed groups (`pack_small`) and, on
+        TensorFlow, the other variables under `_SMALL` values grouped for the step, each
+        group as one; every other variable by `lean_rule`."""
         hyper = self._hyper()
-        for static, values, writes in inputs:
-            if packing.packable(static):
+        members: dict = {}
+        packed = []
+        stack = self._pack_updates and keras.distribution.distribution() is None
+        for g, v in zip(grads, trainable_variables):
+            k = self._slots[self._get_variable_index(v)]["group"]
+            if k is not None:
+                members.setdefault(k, ([], []))
+                members[k][0].append(g)
+                members[k][1].append(v)
+                continue
+            static, values, writes = self._inputs(g, v, learning_rate)
+            if stack and packing.packable(static):
                 packed.append((static, values, writes))
             else:
                 self._write(lean_rule(static, hyper, values), writes)
@@ -397,22 +600,28 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             largest=_SMALL,
             squares=["grad_square" in p[1] for p in packed],
         )
-        if not found:
+        if not found and not members:
             return
         values = [[packed[i][1] for i in g.indices] for g in found]
+        runs = [self._group_run(k, *pair, learning_rate) for k, pair in members.items()]
 
         # Every gradient finite (the usual step): no per-variable selects. Otherwise each
         # variable whose gradient holds an inf or NaN keeps its state.
         def run(guard):
-            return [
-                packing.packed_rule(g.statics, hyper, v, guard) for g, v in zip(found, values)
+            stacked = [
+                packing.packed_rule(g.statics, hyper, v, None, guard) for g, v in zip(found, values)
             ]
+            return stacked, [r(guard) for r in runs]
 
-        finite = packing.all_finite([v["grad"] for group in values for v in group])
-        news = ops.cond(finite, lambda: run(False), lambda: run(True))
-        for g, group in zip(found, news):
-            for i, new in zip(g.indices, group):
-                self._write(new, packed[i][2])
+        grads_seen = [v["grad"] for group in values for v in group]
+        grads_seen += [g for pair in members.values() for g in pair[0]]
+        finite = packing.all_finite(grads_seen)
+        stacked, own = ops.cond(finite, lambda: run(False), lambda: run(True))
+        for g, (weights, state) in zip(found, stacked):
+            for i, weight, rest in zip(g.indices, weights, packing.unstack(state, g.statics)):
+                self._write({"weight": weight, **rest}, packed[i][2])
+        for (k, pair), (weights, state) in zip(members.items(), own):
+            self._write_group(k, weights, state, pair[1])
 
     def _compiled_update(self, grads, trainable_variables, learning_rate) -> None:
         """TensorFlow: `_packed_update` compiled as one XLA computation, the variables read
@@ -470,12 +679,35 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         out = []
         for variable, slot in zip(self._trainable_variables, self._slots):
             comp = slot["compensation"]
+            if slot["group"] is not None:
+                comp = self._group_state[slot["group"]].get("compensation")
+                if comp is not None:
+                    start, size = slot["values"]
+                    comp = ops.reshape(comp.value[start : start + size], variable.shape)
+                    out.append(lean_codecs.decode_weight(variable.value, comp, self.rounding))
+                    continue
             out.append(
                 lean_codecs.decode_weight(
                     variable.value, None if comp is None else comp.value, self.rounding
                 )
             )
         return out
+
+    def load_own_variables(self, store):
+        """Keras' loading, with a clear error where Keras would skip the state with a
+        warning: a file whose optimizer holds a different number of variables (its small
+        variables' state packed or not: `pack_small`, the distribution it was built under)."""
+        saved = len(store.keys())
+        if saved and self.built and saved != len(self.variables):
+            raise ValueError(
+                f"LeanOptimizer {self.name!r}: the file's optimizer state has {saved} "
+                f"variables, this optimizer {len(self.variables)}: its state is laid out "
+                "differently. The small variables' state is packed (pack_small="
+                f"{self.pack_small}) unless shard_over_data is set or a variable is split "
+                "across devices (ModelParallel); build the optimizer as the saved one was "
+                "(the same pack_small and distribution) to load it."
+            )
+        super().load_own_variables(store)
 
     # -- EMA in float32 --------------------------------------------------------------------
 
@@ -505,6 +737,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             "block_size": self.block_size,
             "min_quantized_size": self.min_quantized_size,
             "shard_over_data": self.shard_over_data,
+            "pack_small": self.pack_small,
         }
         if self._general is not None:
             inner_config = dict(self._general.serialized)
@@ -533,10 +766,13 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 "block_size",
                 "min_quantized_size",
                 "shard_over_data",
+                "pack_small",
                 "name",
             )
             if k in config
         }
+        # files written before pack_small existed hold one state per variable
+        own.setdefault("pack_small", False)
         kind = config.pop("optimizer")
         if isinstance(kind, dict):  # the general path: the optimizer's own config
             inner = keras.optimizers.deserialize(kind, custom_objects=custom_objects)

@@ -34,7 +34,7 @@ from keras import ops
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean.rule import Hyper, Static, noise_seed, update
 
-__all__ = ["Group", "all_finite", "groups", "packable", "packed_rule"]
+__all__ = ["Group", "all_finite", "groups", "packable", "packed_rule", "stack", "unstack"]
 
 _FORMATS = (None, *lean_codecs.MOMENT_FORMATS)  # moment formats laid out as rows here
 
@@ -143,19 +143,76 @@ def _noise(iterations, seeds, counts: list, length: int) -> list:
     return lean_codecs.uniform_fields(lean_codecs.hash_index(index, seed), 3)
 
 
-def packed_rule(statics: tuple, hyper: Hyper, values: list, guard: bool = True) -> list:
+def stack(statics: tuple, values: list) -> dict:
+    """The stored state of variables kept each in its own arrays, laid out as one group's
+    rows (the state `packed_rule` takes): `compensation`, `m`, `m_scale`, `v`, `v_scale`
+    where the variables have them.
+
+    Args:
+        statics: the group's `Static`s (`groups`).
+        values: each variable's `lean_rule` inputs.
+
+    Returns:
+        A dict of `(rows, ...)` arrays.
+    """
+    first = statics[0]
+    state = {}
+    if "compensation" in values[0]:
+        state["compensation"] = _concat(
+            [_rows(v["compensation"], st) for st, v in zip(statics, values)]
+        )
+    for name in ("m", "v"):
+        fmt = getattr(first, name)
+        if fmt is None:
+            continue
+        if fmt in lean_codecs.QUANTIZED:  # already codes of blocks, a scale per block
+            state[name] = _concat([v[name] for v in values])
+            state[name + "_scale"] = _concat([v[name + "_scale"] for v in values])
+        else:
+            state[name] = _concat([_rows(v[name], st) for st, v in zip(statics, values)])
+    return state
+
+
+def unstack(state: dict, statics: tuple) -> list:
+    """Inverse of `stack`: each variable's own stored state."""
+    counts = [st.blocks.count for st in statics]
+    out = [{} for _ in statics]
+    for name, x in state.items():
+        for o, st, part in zip(out, statics, _split(x, counts)):
+            codes = name in ("m", "v") and getattr(st, name) in lean_codecs.QUANTIZED
+            rows = codes or name.endswith("_scale")
+            o[name] = part if rows else _unrows(part, st)
+    return out
+
+
+def packed_rule(
+    statics: tuple,
+    hyper: Hyper,
+    values: list,
+    state: dict | None = None,
+    guard: bool = True,
+    skip=None,
+) -> tuple:
     """The lean updates of one group's variables, run as one.
 
     Args:
         statics: the group's `Static`s (`groups`).
         hyper: the optimizer's constants.
         values: each variable's `lean_rule` inputs (`lr`, `iterations` and
-            `weight_decay` are read from the first).
+            `weight_decay` are read from the first); its stored state (`compensation`,
+            moments) is read from `state` instead when that is given.
+        state: the group's stored state as rows (`stack`; a `LeanOptimizer` with
+            `pack_small` keeps it so), or None to `stack` it from `values`. Its
+            `compensation` may instead be the members' values one after the other (1-D,
+            no padding: weight-shaped state is not padded to blocks); it is returned so.
         guard: keep the state of a variable whose gradient holds an inf or NaN (False:
             the caller knows that every gradient is finite, and the selects are left out).
+        skip: for each variable, whether to keep its state and weight as they are (a
+            variable without a gradient this step; default: none).
 
     Returns:
-        Each variable's `lean_rule` result, in order.
+        `(weights, state)`: each variable's new weight, in order, and the group's new
+        stored state as rows.
     """
     first = statics[0]
     length = first.blocks.length
@@ -173,46 +230,62 @@ def packed_rule(statics: tuple, hyper: Hyper, values: list, guard: bool = True) 
         squares = [
             ops.cast(v["grad_square"], "float32") if "grad_square" in v else ops.square(g)
             for v, g in zip(values, [ops.cast(v["grad"], "float32") for v in values])
-        ]  # (`groups` keeps dense gradients apart: a mixed group is a direct call's)
+        ]  # (`groups` keeps dense gradients apart when it can)
         packed["grad_square"] = _concat([_rows(q, st) for q, st in zip(squares, statics)])
     if "weight_decay" in values[0]:
         packed["weight_decay"] = values[0]["weight_decay"]
-    for name in ("weight", "compensation"):
-        if name in values[0]:
-            packed[name] = _concat([_rows(v[name], st) for st, v in zip(statics, values)])
-    for name in ("m", "v"):
-        fmt = getattr(first, name)
-        if fmt is None:
-            continue
-        if fmt in lean_codecs.QUANTIZED:  # already codes of blocks, a scale per block
-            packed[name] = _concat([v[name] for v in values])
-            packed[name + "_scale"] = _concat([v[name + "_scale"] for v in values])
-        else:
-            packed[name] = _concat([_rows(v[name], st) for st, v in zip(statics, values)])
+    packed["weight"] = _concat([_rows(v["weight"], st) for st, v in zip(statics, values)])
+    stored = dict(stack(statics, values) if state is None else state)
+    flat = "compensation" in stored and len(stored["compensation"].shape) == 1
+    if flat:
+        stored["compensation"] = _flat_rows(stored["compensation"], statics)
+    packed.update(stored)
     noise = _noise(values[0]["iterations"], [v["seed"] for v in values], counts, length)
     static = Static(shape, first.weight_dtype, first.m, first.v, layout)
     new = update(static, hyper, packed, noise)
-    if not guard:
-        return _unpack(new, statics, counts)
-    # each variable's own non-finite guard: a row is kept when its variable's gradient
-    # holds an inf or NaN anywhere
-    bad_rows = ops.any(ops.logical_not(ops.isfinite(packed["grad"])), axis=1)
-    if len(counts) == 1:
-        keep = ops.any(bad_rows)
-        keep_rows = ops.broadcast_to(keep, (rows,))
-    else:
-        # bad rows per variable: differences of a running count at its first and last row
-        running = ops.cumsum(ops.cast(bad_rows, "int32"))
-        running = ops.concatenate([ops.zeros((1,), "int32"), running])
-        ends = np.cumsum(counts).astype("int32")
-        bad = ops.take(running, ends) - ops.take(running, ends - np.asarray(counts, "int32"))
-        member = np.repeat(np.arange(len(counts), dtype="int32"), counts)
-        keep_rows = ops.take(bad > 0, ops.convert_to_tensor(member))
-    kept = {}
-    for name, x in new.items():
-        rows_kept = keep_rows if name.endswith("_scale") else ops.expand_dims(keep_rows, 1)
-        kept[name] = ops.where(rows_kept, packed[name], x)
-    return _unpack(kept, statics, counts)
+    keep_rows = None
+    if guard:
+        # each variable's own non-finite guard: a row is kept when its variable's
+        # gradient holds an inf or NaN anywhere
+        bad_rows = ops.any(ops.logical_not(ops.isfinite(packed["grad"])), axis=1)
+        if len(counts) == 1:
+            keep = ops.any(bad_rows)
+            keep_rows = ops.broadcast_to(keep, (rows,))
+        else:
+            # bad rows per variable: differences of a running count at its first and
+            # last row
+            running = ops.cumsum(ops.cast(bad_rows, "int32"))
+            running = ops.concatenate([ops.zeros((1,), "int32"), running])
+            ends = np.cumsum(counts).astype("int32")
+            bad = ops.take(running, ends) - ops.take(running, ends - np.asarray(counts, "int32"))
+            member = np.repeat(np.arange(len(counts), dtype="int32"), counts)
+            keep_rows = ops.take(bad > 0, ops.convert_to_tensor(member))
+    if skip is not None and any(skip):
+        fixed = ops.convert_to_tensor(np.repeat(np.asarray(skip, bool), counts))
+        keep_rows = fixed if keep_rows is None else ops.logical_or(keep_rows, fixed)
+    if keep_rows is not None:
+        for name, x in new.items():
+            rows_kept = keep_rows if name.endswith("_scale") else ops.expand_dims(keep_rows, 1)
+            new[name] = ops.where(rows_kept, packed[name], x)
+    weight = new.pop("weight")
+    weights = [_unrows(part, st) for part, st in zip(_split(weight, counts), statics)]
+    if flat:
+        parts = _split(new["compensation"], counts)
+        new["compensation"] = _concat(
+            [ops.reshape(_unrows(part, st), (-1,)) for part, st in zip(parts, statics)]
+        )
+    return weights, new
+
+
+def _flat_rows(values, statics: tuple):
+    """The members' weight-shaped values, one after the other in `values` (1-D), as the
+    group's rows."""
+    out, start = [], 0
+    for st in statics:
+        size = math.prod(st.shape)
+        out.append(_rows(values[start : start + size], st))
+        start += size
+    return _concat(out)
 
 
 def all_finite(grads) -> object:
@@ -221,15 +294,4 @@ def all_finite(grads) -> object:
     out = flags[0]
     for f in flags[1:]:
         out = ops.logical_and(out, f)
-    return out
-
-
-def _unpack(new: dict, statics: tuple, counts: list) -> list:
-    """The packed results as each variable's own."""
-    out = [{} for _ in statics]
-    for name, x in new.items():
-        for o, st, part in zip(out, statics, _split(x, counts)):
-            codes = name in ("m", "v") and getattr(st, name) in lean_codecs.QUANTIZED
-            rows = codes or name.endswith("_scale")
-            o[name] = part if rows else _unrows(part, st)
     return out
