@@ -37,7 +37,7 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import sharding as lean_sharding
-from keras_mp.lean.rule import is_sparse, noise_seed, read
+from keras_mp.lean.rule import is_sparse, noise_seed, read, variable_seed
 
 __all__ = ["GeneralState", "REFUSED", "UNSIGNED_SLOTS"]
 
@@ -266,7 +266,7 @@ class GeneralState:
         noises = {}
         for i, variable, p in zip(index, variables, placeholders):
             shape = tuple(variable.shape)
-            seed = noise_seed(iterations, ops.convert_to_tensor(i * 7919, "int32"))
+            seed = noise_seed(iterations, ops.convert_to_tensor(variable_seed(i), "int32"))
             noises[i] = lean_codecs.uniforms(shape, seed, 3)
             target = changed(p)
             if target is None:
@@ -295,7 +295,9 @@ class GeneralState:
                     noises[owner][k]
                     if k < 3
                     else lean_codecs.uniforms(
-                        tuple(slot.shape), noise_seed(iterations, owner * 7919 + 7777 * k), 1
+                        tuple(slot.shape),
+                        noise_seed(iterations, variable_seed(owner) + 7777 * k),
+                        1,
                     )[0]
                 )
             targets = storage[2:4] if storage[0] == "moment" else storage[1:]

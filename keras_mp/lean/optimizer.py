@@ -34,6 +34,7 @@ from keras_mp.lean.rule import (
     lean_rule,
     read,
     to_float32,
+    variable_seed,
 )
 
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
@@ -440,7 +441,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             "grad": gradient,
             "lr": ops.cast(learning_rate, "float32"),
             "iterations": ops.cast(self.iterations, "int32"),
-            "seed": ops.convert_to_tensor(index * 7919, "int32"),
+            "seed": ops.convert_to_tensor(variable_seed(index), "int32"),
         }
         if square is not None:
             values["grad_square"] = square

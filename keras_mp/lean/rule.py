@@ -24,6 +24,7 @@ __all__ = [
     "read",
     "to_float32",
     "update",
+    "variable_seed",
 ]
 
 
@@ -200,6 +201,12 @@ def noise_seed(iterations, seed):
     slots): `iterations` (int32, before the step) and the variable's own `seed` in one
     int32, as every lean path derives it."""
     return iterations * 1000003 + seed
+
+
+def variable_seed(index: int) -> int:
+    """A variable's own noise seed (`noise_seed`'s `seed`): its index among the
+    optimizer's variables times a prime, the same on every backend and replica."""
+    return index * 7919
 
 
 def is_sparse(g) -> bool:
