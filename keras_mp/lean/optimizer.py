@@ -76,6 +76,11 @@ def _check_choice(name: str, value, choices) -> None:
         )
 
 
+def _codes_dtype(fmt: str) -> str:
+    """The storage dtype of a moment in format `fmt` (its codes, for a quantized one)."""
+    return {"int8": "uint8", "int4": "uint8", "bfloat16": "bfloat16"}.get(fmt, "float32")
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class LeanOptimizer(keras.optimizers.Optimizer):
     """Any Keras optimizer with a compact persistent state and float32 update arithmetic.
@@ -246,7 +251,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         fmt = self._moment_format(variable)
         initial = initial(fmt) if initial is not None else (None, None)
         codes_shape, scales_shape = lean_codecs.moment_shapes(variable.shape, fmt, blocks)
-        dtype = {"int8": "uint8", "int4": "uint8", "bfloat16": "bfloat16"}.get(fmt, "float32")
+        dtype = _codes_dtype(fmt)
         prefix = variable.path.replace("/", "_")
         if scales_shape is None:
             layouts = (lean_sharding.state_layout(place, variable.shape), None)
@@ -377,8 +382,9 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             if fmt is None:
                 continue
             codes_shape, scales_shape = lean_codecs.moment_shapes((rows, length), fmt, layout)
-            dtype = {"int8": "uint8", "int4": "uint8", "bfloat16": "bfloat16"}.get(fmt, "float32")
-            state[name] = self.add_variable(codes_shape, dtype=dtype, name=f"small{k}_{label}")
+            state[name] = self.add_variable(
+                codes_shape, dtype=_codes_dtype(fmt), name=f"small{k}_{label}"
+            )
             if scales_shape is not None:
                 state[name + "_scale"] = self.add_variable(
                     scales_shape, dtype="float32", name=f"small{k}_{label}_scale"
@@ -501,14 +507,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         variables with a state of their own; each packed group in the update context of
         its first member, its members and state read and written there (each replica's
         own copies)."""
-        members: dict = {}
-        alone = []
-        for grad, var in grads_and_vars:
-            k = self._slots[self._get_variable_index(var)]["group"]
-            if k is None:
-                alone.append((grad, var))
-            else:
-                members.setdefault(k, []).append((grad, var))
+        members, alone = self._by_group(grads_and_vars)
         if alone:
             super()._distributed_tf_update_step(distribution, alone, learning_rate)
 
@@ -516,13 +515,28 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             del anchor  # the update context's variable: the group's first member
             self._group_update(k, grads, variables, learning_rate, guard=True)
 
-        for k, pairs in members.items():
+        for k, (grads, variables) in members.items():
             distribution.extended.update(
-                pairs[0][1],
+                variables[0],
                 group_update,
-                args=(k, [g for g, _ in pairs], [v for _, v in pairs], learning_rate),
+                args=(k, grads, variables, learning_rate),
                 group=False,
             )
+
+    def _by_group(self, grads_and_vars) -> tuple:
+        """`(members, alone)`: the pairs of variables in packed groups as
+        `{group: (grads, variables)}`, and the other `(grad, variable)` pairs."""
+        members: dict = {}
+        alone = []
+        for grad, var in grads_and_vars:
+            k = self._slots[self._get_variable_index(var)]["group"]
+            if k is None:
+                alone.append((grad, var))
+            else:
+                grads, variables = members.setdefault(k, ([], []))
+                grads.append(grad)
+                variables.append(var)
+        return members, alone
 
     def _group_update(self, k: int, grads, variables, learning_rate, guard: bool) -> None:
         """Packed group `k`'s update for the given members (the others kept as they were:
@@ -580,16 +594,10 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         TensorFlow, the other variables under `_SMALL` values grouped for the step, each
         group as one; every other variable by `lean_rule`."""
         hyper = self._hyper()
-        members: dict = {}
         packed = []
         stack = self._pack_updates and keras.distribution.distribution() is None
-        for g, v in zip(grads, trainable_variables):
-            k = self._slots[self._get_variable_index(v)]["group"]
-            if k is not None:
-                members.setdefault(k, ([], []))
-                members[k][0].append(g)
-                members[k][1].append(v)
-                continue
+        members, alone = self._by_group(zip(grads, trainable_variables))
+        for g, v in alone:
             static, values, writes = self._inputs(g, v, learning_rate)
             if stack and packing.packable(static):
                 packed.append((static, values, writes))
