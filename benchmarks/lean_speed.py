@@ -14,7 +14,7 @@ their spread (min-max). Only ratios are meaningful on a shared machine.
 
 Sizes: byte-level GPTs (vocabulary 256, pre-LN decoder blocks with causal attention, 4
 heads, FFN 4x, untied head) of about 0.13M, 1M and 3.3M parameters on 32 x 128-byte
-batches, and `compare`, the 14k-parameter transformer of `keras-mp compare --model
+batches (and, named in `--sizes` only, 25M and 101M for a GPU), and `compare`, the 14k-parameter transformer of `keras-mp compare --model
 transformer` (its data, batch 32, Adam as `compare` uses).
 
 Prints one JSON line per (backend, size) and a Markdown table at the end; `--out` writes
@@ -38,7 +38,10 @@ SIZES = {
     "1M": (5, 128),
     "3.3M": (4, 256),
 }
-ALL_SIZES = (*SIZES, "compare")
+# on a GPU, where the update is memory-bound and launches are cheap (not in the default run)
+LARGE_SIZES = {"25M": (8, 512), "101M": (8, 1024)}
+DEFAULT_SIZES = (*SIZES, "compare")
+ALL_SIZES = (*DEFAULT_SIZES, *LARGE_SIZES)
 POLICIES = ("mixed_bfloat16", "lean_bfloat16")
 # `--unpacked`: the lean step with each small variable's state in its own arrays too
 UNPACKED = "lean_bfloat16:pack_small=False"
@@ -79,7 +82,7 @@ def _workload(size: str, args):
         model = build_model("transformer", data, seed=0)
         x, y = data.x_train[:32], data.y_train[:32]
         return model, x, y, lambda: keras.optimizers.Adam(1e-3)
-    layers_, width = SIZES[size]
+    layers_, width = {**SIZES, **LARGE_SIZES}[size]
     model = char_gpt(keras, layers_, width, args.length)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, size=(args.batch, args.length)).astype("int32")
@@ -188,7 +191,7 @@ def table(rows: list) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="tensorflow,jax")
-    p.add_argument("--sizes", default=",".join(ALL_SIZES), help=f"of {list(ALL_SIZES)}")
+    p.add_argument("--sizes", default=",".join(DEFAULT_SIZES), help=f"of {list(ALL_SIZES)}")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=8, help="timed steps per policy per block")
     p.add_argument("--warmup", type=int, default=3)

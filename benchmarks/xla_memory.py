@@ -128,28 +128,6 @@ def _remat_options() -> dict:
     return {name: int(value if REMAT_SLOP is None else REMAT_SLOP)}
 
 
-def remat_scope(workload, prefixes):
-    """A `keras.RematScope(mode="list_of_layers")` naming each block's layers that start
-    with one of `prefixes` (e.g. `("attn_", "ffn_in_")`: the GPT's attention layers and
-    its first FFN Dense; `"attn_[0-2]"`: those of blocks 0 to 2 only), or a null context
-    for none."""
-    import contextlib
-
-    import keras
-
-    if not prefixes:
-        return contextlib.nullcontext()
-    names = []
-    for entry in prefixes:  # "attn_" (every block) or "attn_[0-2]" (blocks 0 to 2)
-        prefix, _, span = entry.partition("[")
-        first, _, last = span.rstrip("]").partition("-")
-        blocks = range(getattr(workload, "layers", 0))
-        if span:
-            blocks = range(int(first), int(last or first) + 1)
-        names += [f"{prefix}{i}" for i in blocks]
-    return keras.RematScope(mode="list_of_layers", layer_names=names)
-
-
 def hlo_flops(lowered):
     """XLA's cost analysis of the lowered, unoptimised step: the FLOPs the program asks
     for, rematerialised forward passes included (cuDNN attention calls count 0), by the
@@ -179,7 +157,7 @@ def step_record(
     import jax
     import numpy as np
 
-    from keras_mp.cli.measure import POLICIES, _compiled_model, _names
+    from keras_mp.cli.measure import POLICIES, _compiled_model, _names, remat_scope
     from keras_mp.cli.workloads import WORKLOADS
 
     _names("policy", policy, POLICIES)

@@ -88,6 +88,8 @@ def _passthrough(args) -> list:
         out += ["--keep-fp32", ",".join(args.keep_fp32)]
     if args.intra_op or args.inter_op:
         out += ["--intra-op", str(args.intra_op), "--inter-op", str(args.inter_op)]
+    if args.remat_layers:
+        out += ["--remat-layers", ",".join(args.remat_layers)]
     return out
 
 
@@ -153,6 +155,8 @@ def _table(rows: list) -> str:
             lines.append(f"| {r['model']} | {r['policy']} | | error | | | | | | |")
             continue
         jit = ("on" if r["jit_compile"] else "off") + (", remat" if r.get("xla_remat") else "")
+        if r.get("remat_layers"):
+            jit += f", RematScope({','.join(r['remat_layers'])})"
         lines.append(
             f"| {r['model']} | {r['policy']} | {jit} | "
             f"{r['step_ms_median']:.1f} | {r['units_per_s']:.0f} | {r['tflops']:.3g} | "
@@ -229,6 +233,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intra-op", type=int, default=0, help="TF intra-op threads (0: default)")
     p.add_argument("--inter-op", type=int, default=0, help="TF inter-op threads (0: default)")
     p.add_argument(
+        "--remat-layers",
+        type=lambda s: tuple(e for e in s.split(",") if e),
+        default=(),
+        help="layer-name prefixes built under keras.RematScope (recomputed in the backward "
+        "pass), e.g. attn_,ffn_in_ for the GPT's attention and first FFN layer of every "
+        "block, attn_[0-2] for blocks 0-2 only (default: none)",
+    )
+    p.add_argument(
         "--budget",
         type=float,
         default=0,
@@ -279,6 +291,7 @@ def _measure(args, model_name: str, policy: str) -> dict:
         args.keep_fp32,
         args.intra_op,
         args.inter_op,
+        args.remat_layers,
     )
 
 

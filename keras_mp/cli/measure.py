@@ -251,6 +251,26 @@ def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32):
     return model
 
 
+def remat_scope(workload, prefixes=()):
+    """A `keras.RematScope(mode="list_of_layers")` naming each block's layers that start
+    with one of `prefixes` (e.g. `("attn_", "ffn_in_")`: the GPT's attention layers and its
+    first FFN Dense; `"attn_[0-2]"`: those of blocks 0 to 2 only), or a null context for
+    none. The model must be built inside it: a layer takes its RematScope when it is made."""
+    import keras
+
+    if not prefixes:
+        return contextlib.nullcontext()
+    names = []
+    for entry in prefixes:  # "attn_" (every block) or "attn_[0-2]" (blocks 0 to 2)
+        prefix, _, span = entry.partition("[")
+        first, _, last = span.rstrip("]").partition("-")
+        blocks = range(getattr(workload, "layers", 0))
+        if span:
+            blocks = range(int(first), int(last or first) + 1)
+        names += [f"{prefix}{i}" for i in blocks]
+    return keras.RematScope(mode="list_of_layers", layer_names=names)
+
+
 def model_and_batch(workload, policy: str, jit_compile: bool, keep_fp32=None):
     """A workload's compiled model under a harness policy (no suffix), with Keras' global
     dtype policy restored after, and its batch as backend tensors: `(model, x, y)`."""
@@ -301,6 +321,7 @@ def run_one(
     keep_fp32=None,
     intra_op: int = 0,
     inter_op: int = 0,
+    remat_layers=(),
 ) -> dict:
     """Measures one configuration in this process and returns its JSON record.
 
@@ -313,6 +334,8 @@ def run_one(
         jit_compile: XLA on/off; `None` takes the suffix, else `default_jit`.
         keep_fp32: keep-list for keras_mp policies; `None` means `kmp.DEFAULT_KEEP_FP32`.
         intra_op / inter_op: TensorFlow thread-pool sizes (0: TensorFlow's default).
+        remat_layers: layer-name prefixes built under Keras' `RematScope` (`remat_scope`):
+            those layers' activations are recomputed in the backward pass, not kept.
 
     Returns:
         A dict: model, policy, backend, device, jit_compile, compile_s, step_ms_median,
@@ -344,7 +367,8 @@ def run_one(
     workload = WORKLOADS[model_name]
     strict = _strict_fp32(backend) if policy == "float32_strict" else contextlib.nullcontext()
     with strict:  # JAX reads the matmul precision when it traces the first step
-        model, x, y = model_and_batch(workload, policy, jit_compile, keep_fp32)
+        with remat_scope(workload, remat_layers):
+            model, x, y = model_and_batch(workload, policy, jit_compile, keep_fp32)
         start = time.perf_counter()
         model.train_on_batch(x, y)
         compile_s = time.perf_counter() - start
@@ -366,6 +390,7 @@ def run_one(
         "device": device,
         "jit_compile": bool(jit_compile),
         "xla_remat": suffix == "remat",
+        "remat_layers": list(remat_layers) or None,
         "compile_s": round(compile_s, 2),
         "step_ms_median": round(median * 1e3, 3),
         "step_ms_min": round(min(times) * 1e3, 3),
