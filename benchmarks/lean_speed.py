@@ -14,8 +14,9 @@ their spread (min-max). Only ratios are meaningful on a shared machine.
 
 Sizes: byte-level GPTs (vocabulary 256, pre-LN decoder blocks with causal attention, 4
 heads, FFN 4x, untied head) of about 0.13M, 1M and 3.3M parameters on 32 x 128-byte
-batches (and, named in `--sizes` only, 25M and 101M for a GPU), and `compare`, the 14k-parameter transformer of `keras-mp compare --model
-transformer` (its data, batch 32, Adam as `compare` uses).
+batches (and, named in `--sizes` only, 25M and 101M for a GPU), and `compare`, the
+14k-parameter transformer of `keras-mp compare --model transformer` (its data, batch 32,
+Adam as `compare` uses).
 
 Prints one JSON line per (backend, size) and a Markdown table at the end; `--out` writes
 all of it as JSON.

@@ -252,6 +252,42 @@ def test_remat_row_runs_in_its_own_process_with_the_xla_flag(tmp_path):
     assert ours["speedup_vs_stock"] == 2.0  # the stock @remat row
 
 
+def test_remat_layers_build_each_rows_model_under_a_remat_scope(tmp_path):
+    """`--remat-layers`: each row's model is built under `keras.RematScope` naming those
+    layers of every block (or of the blocks given); the row records them, the table names
+    them, a subprocess row gets them passed on, and the first step's loss is the plain
+    model's (recomputation changes no value). On TensorFlow Keras' RematScope cannot run in
+    a compiled step: the row says so before building anything."""
+    import contextlib
+
+    from keras_mp.cli import measure
+    from keras_mp.cli.workloads import WORKLOADS
+
+    scope = measure.remat_scope(WORKLOADS["gpt"], ("attn_", "ffn_in_[0-2]"))
+    assert isinstance(scope, keras.RematScope)
+    assert scope.layer_names == [f"attn_{i}" for i in range(8)] + [
+        "ffn_in_0", "ffn_in_1", "ffn_in_2"]
+    assert isinstance(measure.remat_scope(WORKLOADS["gpt"], ()), contextlib.nullcontext)
+
+    args = benchmark.build_parser().parse_args(["--remat-layers", "attn_[0-2]"])
+    assert benchmark._passthrough(args)[-2:] == ["--remat-layers", "attn_[0-2]"]
+    out = tmp_path / "rows.jsonl"
+    argv = ["--in-process", "--models", "tiny_gpt", "--policies", "keras_mp_mixed_bfloat16",
+            "--steps", "1", "--warmup", "0", "--backend", keras.backend.backend(),
+            "--out", str(out)]
+    if keras.backend.backend() == "tensorflow":
+        with pytest.raises(ValueError, match="RematScope fails in TensorFlow's compiled step"):
+            benchmark.main([*argv, "--remat-layers", "ffn_in_"])
+        return
+    assert benchmark.main(argv) == 0
+    assert benchmark.main([*argv, "--remat-layers", "attn_,ffn_in_"]) == 0
+    plain, remat = map(json.loads, out.read_text().splitlines())
+    assert plain["remat_layers"] is None
+    assert remat["remat_layers"] == ["attn_", "ffn_in_"]
+    assert remat["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert "on, RematScope(attn_,ffn_in_)" in benchmark._table([remat])
+
+
 def _benchmark_script(name: str):
     """The module `benchmarks/<name>.py` (the benchmarks are scripts, not a package)."""
     import importlib.util

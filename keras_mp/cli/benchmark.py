@@ -238,7 +238,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=(),
         help="layer-name prefixes built under keras.RematScope (recomputed in the backward "
         "pass), e.g. attn_,ffn_in_ for the GPT's attention and first FFN layer of every "
-        "block, attn_[0-2] for blocks 0-2 only (default: none)",
+        "block, attn_[0-2] for blocks 0-2 only; JAX only: Keras' RematScope does not run in "
+        "TensorFlow's compiled step (default: none)",
     )
     p.add_argument(
         "--budget",

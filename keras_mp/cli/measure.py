@@ -355,6 +355,12 @@ def run_one(
     import numpy as np
 
     backend = keras.backend.backend()
+    if remat_layers and backend == "tensorflow":
+        raise ValueError(
+            f"remat_layers {list(remat_layers)}: Keras' RematScope fails in TensorFlow's "
+            "compiled step (tf.custom_gradient takes no keyword arguments outside eager "
+            "execution, and Keras calls layers with `training=`); measure it on JAX."
+        )
     if backend == "tensorflow" and (intra_op or inter_op):
         import tensorflow as tf
 
