@@ -120,6 +120,23 @@ def test_verdict_thresholds():
     assert verdict(_row(0.1, first=2.0, final=3.1), ref) == "diverged"  # 1.55x the first
     assert verdict(_row(0.1, first=2.0, final=2.9), ref) == "lower"
     assert verdict(_row(0.9), None) == "n/a"
+    # the lean state's roundings are unbiased: unchanged bits are no lost updates
+    lean = {**_row(0.950, frozen=0.96), "lean_state": {"rounding": "stochastic", "moments": "int4"}}
+    assert verdict(lean, ref) == "lower"
+    assert verdict({**lean, "val_accuracy": 0.975}, ref) == "matches FP32"
+    old_record = {**_row(0.950, frozen=0.96), "policy": "lean_bfloat16", "lean_state": None}
+    assert verdict(old_record, ref) == "lower"
+
+
+def test_notes_say_a_lean_rows_unchanged_bits_are_no_stall():
+    lean = {**_row(0.972, frozen=0.96), "policy": "lean_bfloat16", "label": "lean bfloat16",
+            "verdict": "lower", "state_bytes_per_parameter": 3.19,
+            "lean_state": {"rounding": "stochastic", "moments": "int4"}}
+    said = notes([lean], CompareConfig(optimizer="adam"))
+    assert said[0].startswith("lean bfloat16: 3.19 bytes of training state a parameter")
+    assert said[1].startswith("lean bfloat16: 96.0% of the weights kept their bits")
+    assert "no stall" in said[1]
+    assert len(notes([{**lean, "frozen_fraction": 0.2}], CompareConfig(optimizer="adam"))) == 1
 
 
 def test_precision_modes_and_compile_choices():

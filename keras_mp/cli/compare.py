@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_POLICIES",
     "THRESHOLDS",
     "CompareConfig",
+    "is_lean",
     "run_compare",
     "run_policy",
     "verdict",
@@ -60,7 +61,9 @@ THRESHOLDS = {
     # |val acc - FP32 val acc| at most this: "matches FP32" (0.01 = 4 of 397 digits).
     "match_accuracy": 0.01,
     # lower than FP32 and at least this fraction of the weights unchanged over the last
-    # epoch (their updates rounded away): "stalled"; lower otherwise: "lower".
+    # epoch (their updates rounded away): "stalled"; lower otherwise: "lower". Not for
+    # the lean state: its roundings are unbiased (stochastic, or kept in a compensation
+    # buffer), so a weight whose bits did not change in an epoch has lost no update.
     "stalled_frozen_fraction": 0.5,
     # a non-finite loss, or a final train loss above this multiple of the first
     # epoch's: "diverged".
@@ -241,12 +244,21 @@ def _finite(*values) -> bool:
     return all(v is not None and math.isfinite(v) for v in values)
 
 
+def is_lean(row: dict) -> bool:
+    """Whether a results row trained the lean state (`lean_bfloat16`, any variant; rows
+    written before `lean_state` was recorded are known by their policy)."""
+    return bool(row.get("lean_state")) or str(row.get("policy", "")).split(":")[0] == (
+        "lean_bfloat16"
+    )
+
+
 def verdict(row: dict, reference: dict | None) -> str:
     """Classifies a results row against the float32 row (see `THRESHOLDS`).
 
     Args:
         row: a results row (`val_accuracy`, `val_loss`, `train_loss`, `first_train_loss`,
-            `frozen_fraction`).
+            `frozen_fraction`; `lean_state` for a `kmp.LeanOptimizer` row, which is never
+            "stalled": see `THRESHOLDS`).
         reference: the float32 row, or `None` when float32 was not run.
 
     Returns:
@@ -268,7 +280,7 @@ def verdict(row: dict, reference: dict | None) -> str:
         return "matches FP32"
     if diff > 0:
         return "higher"
-    if row["frozen_fraction"] >= THRESHOLDS["stalled_frozen_fraction"]:
+    if row["frozen_fraction"] >= THRESHOLDS["stalled_frozen_fraction"] and not is_lean(row):
         return "stalled"
     return "lower"
 

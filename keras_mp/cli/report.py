@@ -62,7 +62,8 @@ def format_table(results: dict):
     caption = (
         f"Δ acc: points vs float32. verdict: |Δ acc| ≤ {100 * thr['match_accuracy']:.1f} "
         f"points = matches FP32; lower with ≥ {100 * thr['stalled_frozen_fraction']:.0f}% "
-        f"of weights unchanged over the last epoch (updates rounded away) = stalled; "
+        f"of weights unchanged over the last epoch (updates rounded away; not the lean "
+        f"state, whose roundings are unbiased) = stalled; "
         f"non-finite loss or final train loss > {thr['diverged_loss_growth']:g}× the first "
         f"epoch's = diverged. compile: xla = jit_compile=True, default = Keras' choice. "
         f"peak mem: device peak where the backend reports it (JAX: process peak so far). "
@@ -225,6 +226,7 @@ def notes(rows: list[dict], cfg) -> list[str]:
         A list of sentences (possibly empty).
     """
     import keras_mp.formats as formats
+    from keras_mp.cli.compare import THRESHOLDS, is_lean
 
     out = []
     ref = next((r for r in rows if r["policy"] == "float32"), None)
@@ -253,7 +255,7 @@ def notes(rows: list[dict], cfg) -> list[str]:
                 "`kmp.convert(..., calibrate=data)` pins them."
             )
             continue
-        if r["policy"] == "lean_bfloat16" and r.get("state_bytes_per_parameter"):
+        if is_lean(r) and r.get("state_bytes_per_parameter"):
             mixed = next((m for m in rows if m["policy"] == "mixed_bfloat16"), None)
             than = (
                 f" (mixed bfloat16: {mixed['state_bytes_per_parameter']:.2f})"
@@ -265,6 +267,15 @@ def notes(rows: list[dict], cfg) -> list[str]:
                 f"parameter{than}: {_lean_state(r.get('lean_state'))}, updates computed in "
                 "float32 (kmp.LeanOptimizer)."
             )
+            frozen = r.get("frozen_fraction")
+            if frozen is not None and frozen >= THRESHOLDS["stalled_frozen_fraction"]:
+                out.append(
+                    f"{r['label']}: {100 * frozen:.1f}% of the weights kept their bits over the "
+                    "last epoch, and that is no stall: the lean roundings are unbiased, so an "
+                    "update smaller than a bfloat16 step moves its weight one step with a "
+                    "probability in proportion to its size, and a weight moves as float32 "
+                    "would on average."
+                )
             continue
         if r["policy"] not in ("float16", "bfloat16"):
             continue
