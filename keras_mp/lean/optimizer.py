@@ -69,6 +69,9 @@ _BASE_ARGS = (
 )
 
 
+_LABELS = ("momentum", "velocity")  # the moments' names in the optimizer's variables
+
+
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(
@@ -245,6 +248,21 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             return "float32"
         return self.moments
 
+    def _formats(self, variable) -> tuple:
+        """`(first, second)`: the formats of `variable`'s moments, None for a moment its
+        update has none of (SGD: a first moment with momentum only; no second)."""
+        fmt = self._moment_format(variable)
+        if self.kind in ("adam", "adamw"):
+            return fmt, fmt
+        return (fmt if self.momentum > 0 else None), None
+
+    def _compensation_dtype(self, weight_dtype: str) -> str | None:
+        """The dtype of a weight's compensation buffer: int8 for `"kahan"`, bfloat16 for
+        `"kahan16"`, None for a stochastically rounded or a float32 weight (none kept)."""
+        if weight_dtype != "bfloat16" or self.rounding == "stochastic":
+            return None
+        return "int8" if self.rounding == "kahan" else "bfloat16"
+
     def _add_moment(self, variable, name: str, place, blocks, initial=None) -> tuple:
         """A moment's storage; `initial`: a callable of the format that gives the
         initial `(codes, scales)` (default: zeros)."""
@@ -291,21 +309,18 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             place = lean_sharding.placement(variable, self.shard_over_data)
             blocks = lean_sharding.blocks(place, variable.shape, self.block_length)
             slot = {"compensation": None, "m": None, "v": None, "blocks": blocks, "group": None}
-            if variable.dtype == "bfloat16" and self.rounding != "stochastic":
-                dtype = "int8" if self.rounding == "kahan" else "bfloat16"
+            dtype = self._compensation_dtype(keras.backend.standardize_dtype(variable.dtype))
+            if dtype is not None:
                 slot["compensation"] = self.add_variable(
                     tuple(variable.shape),
                     dtype=dtype,
                     name=variable.path.replace("/", "_") + "_compensation",
                     layout=lean_sharding.state_layout(place, variable.shape),
                 )
-            if self._general is not None:
-                pass  # the general path adds its slots below
-            elif self.kind in ("adam", "adamw"):
-                slot["m"] = self._add_moment(variable, "momentum", place, blocks)
-                slot["v"] = self._add_moment(variable, "velocity", place, blocks)
-            elif self.momentum > 0:
-                slot["m"] = self._add_moment(variable, "momentum", place, blocks)
+            if self._general is None:  # the general path adds its slots below
+                for key, label, fmt in zip(("m", "v"), _LABELS, self._formats(variable)):
+                    if fmt is not None:
+                        slot[key] = self._add_moment(variable, label, place, blocks)
             self._slots.append(slot)
         self._groups = packing.groups(
             [static for _, static in small],
@@ -344,9 +359,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         if any(n != 1 for n in lean_sharding.placement(variable).shards):
             return None  # split across devices (ModelParallel): its state is split alike
         fmt = self._moment_format(variable)
-        formats = {"adam": (fmt, fmt), "adamw": (fmt, fmt)}.get(self.kind)
-        if formats is None:
-            formats = (fmt if self.momentum > 0 else None, None)
+        formats = self._formats(variable)
         # quantized moments: whole blocks of each variable, at most _FLAT_BLOCK values a
         # scale; other formats have no blocks (rows of one value: no padding)
         length = min(self.block_length, _FLAT_BLOCK) if fmt in lean_codecs.QUANTIZED else 1
@@ -371,13 +384,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         length = first.blocks.length
         layout = lean_codecs.Blocks((1, 1), rows, length)
         state = {}
-        if first.weight_dtype == "bfloat16" and self.rounding != "stochastic":
+        dtype = self._compensation_dtype(first.weight_dtype)
+        if dtype is not None:
             state["compensation"] = self.add_variable(  # the members' values: no padding
                 (sum(math.prod(st.shape) for st in statics),),
-                dtype="int8" if self.rounding == "kahan" else "bfloat16",
+                dtype=dtype,
                 name=f"small{k}_compensation",
             )
-        for name, label in (("m", "momentum"), ("v", "velocity")):
+        for name, label in zip(("m", "v"), _LABELS):
             fmt = getattr(first, name)
             if fmt is None:
                 continue
