@@ -18,16 +18,7 @@
 # --budget is spent; TOTAL_BUDGET (seconds) bounds the whole script.
 set -u
 OUT=${OUT:-runs/gpu}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-WHEELS=${WHEELS:-.whl}   # keras, namex, optree for Python 3.12 (the machine has no Keras)
-if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"   # keras_mp from this working tree
-export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+. benchmarks/gpu_setup.sh   # $OUT, PY, the Keras wheels, PYTHONPATH, the JAX backend
 GPT_MODEL=${GPT_MODEL:-gpt}
 RESNET_MODEL=${RESNET_MODEL:-resnet50}
 GPT_POLICIES=${GPT_POLICIES:-float32,stock_mixed_bfloat16,keras_mp_mixed_bfloat16,keras_mp_mixed_bfloat16@remat,stock_mixed_float16,keras_mp_mixed_float16,stock_mixed_float16_kmp_scaler,keras_mp_float8,keras_mp_lean_bfloat16,float32_strict}
@@ -38,14 +29,6 @@ TOTAL=${TOTAL_BUDGET:-480}
 START=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
 
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>&1
-  $PY -c "import sys, jax, keras; print(sys.version.split()[0], 'jax', jax.__version__, \
-'keras', keras.__version__, jax.devices())" 2>&1 | tail -1
-  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
-} > "$OUT/env.txt"
-cat "$OUT/env.txt"
 
 bench() {  # bench MODEL POLICIES BUDGET
   $PY benchmarks/run.py --backend jax --models "$1" --policies "$2" --steps "$STEPS" \

@@ -20,16 +20,7 @@
 # 3. what is left of issue 8's GPT rows (float32, float16, float8), as far as time goes.
 set -u
 OUT=${OUT:-runs/gpu-lean}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-WHEELS=${WHEELS:-.whl}   # keras, namex, optree for Python 3.12 (the machine has no Keras)
-if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"   # keras_mp from this working tree
-export KERAS_BACKEND=jax PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+. benchmarks/gpu_setup.sh   # $OUT, PY, the Keras wheels, PYTHONPATH, the JAX backend
 GPT_MODEL=${GPT_MODEL:-gpt}
 SIZES=${SIZES:-compare,1M,101M,3.3M,0.13M,25M}
 ROUNDS=${ROUNDS:-4}
@@ -39,14 +30,6 @@ START=$(date +%s)
 left() { echo $(( TOTAL - ($(date +%s) - START) )); }
 upto() { local s=$(( $(left) - $1 )); echo $(( s < $2 ? s : $2 )); }  # left minus $1, at most $2
 
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv 2>&1
-  $PY -c "import sys, jax, keras; print(sys.version.split()[0], 'jax', jax.__version__, \
-'keras', keras.__version__, jax.devices())" 2>&1 | tail -1
-  git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -20
-} > "$OUT/env.txt"
-cat "$OUT/env.txt"
 
 # 1. lean / mixed step time, small to large (ROW lines as each size ends)
 timeout "$(upto 330 120)" $PY benchmarks/lean_speed.py --worker --backends jax --sizes "$SIZES" \
