@@ -1,7 +1,8 @@
 """The lean training state: bfloat16 weights with compensated updates and compact moments.
 
 The face of the subpackage: `LeanOptimizer` (`optimizer.py`), its pure update rule
-(`rule.py`) and its packed form for many variables at once (`packing.py`), the storage
+(`rule.py`) and its packed form for many variables at once (`packing.py`; the optimizer's
+packed groups and whole-step update, `packed_step.py`), the storage
 formats (`codecs.py`), the general path for any other Keras
 optimizer (`general.py`), the state's layout across devices (`sharding.py`) and
 `state_bytes` (`memory.py`).

@@ -24,8 +24,9 @@ from keras.src.utils import tracking
 import keras_mp.optimizer_guard as optimizer_guard
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import general as lean_general
-from keras_mp.lean import int4, packing
+from keras_mp.lean import int4, packed_step, packing
 from keras_mp.lean import sharding as lean_sharding
+from keras_mp.lean.packed_step import SMALL as _SMALL
 from keras_mp.lean.rule import (
     Hyper,
     Static,
@@ -45,7 +46,6 @@ __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 # transformer). Files saved with the earlier default keep theirs: the config names both.
 DEFAULT_ROUNDING = "stochastic"
 DEFAULT_MOMENTS = "int4"
-_SMALL = 65536  # variables with fewer values are packed together (`lean.packing`)
 _FLAT_BLOCK = 128  # the longest block of a packed group's quantized moments
 
 # Optimizer classes whose state LeanOptimizer knows how to keep (exact types: a subclass
@@ -493,7 +493,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         on TensorFlow the variables under `_SMALL` values grouped for the step) as one,
         each larger variable on its own, all behind one finiteness test. On TensorFlow
         the whole update is one XLA computation that reads and writes the variables
-        itself (`_compiled_update`); on JAX it is traced into the step. Under a
+        itself (`packed_step.compiled_update`); on JAX it is traced into the step. Under a
         `tf.distribute` strategy, each group and each larger variable in the strategy's
         update context (`_distributed_tf_update_step`)."""
         if self._general is not None and grads:
@@ -513,21 +513,21 @@ class LeanOptimizer(keras.optimizers.Optimizer):
 
             if tf.distribute.has_strategy():
                 return super()._backend_update_step(grads, trainable_variables, learning_rate)
-            return self._compiled_update(grads, trainable_variables, learning_rate)
-        self._packed_update(grads, trainable_variables, learning_rate)
+            return packed_step.compiled_update(self, grads, trainable_variables, learning_rate)
+        packed_step.packed_update(self, grads, trainable_variables, learning_rate)
 
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
         """TensorFlow under a `tf.distribute` strategy: Keras' per-variable update for the
         variables with a state of their own; each packed group in the update context of
         its first member, its members and state read and written there (each replica's
         own copies)."""
-        members, alone = self._by_group(grads_and_vars)
+        members, alone = packed_step.by_group(self, grads_and_vars)
         if alone:
             super()._distributed_tf_update_step(distribution, alone, learning_rate)
 
         def group_update(anchor, k, grads, variables, learning_rate):
             del anchor  # the update context's variable: the group's first member
-            self._group_update(k, grads, variables, learning_rate, guard=True)
+            packed_step.group_update(self, k, grads, variables, learning_rate, guard=True)
 
         for k, (grads, variables) in members.items():
             distribution.extended.update(
@@ -536,134 +536,6 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 args=(k, grads, variables, learning_rate),
                 group=False,
             )
-
-    def _by_group(self, grads_and_vars) -> tuple:
-        """`(members, alone)`: the pairs of variables in packed groups as
-        `{group: (grads, variables)}`, and the other `(grad, variable)` pairs."""
-        members: dict = {}
-        alone = []
-        for grad, var in grads_and_vars:
-            k = self._slots[self._get_variable_index(var)]["group"]
-            if k is None:
-                alone.append((grad, var))
-            else:
-                grads, variables = members.setdefault(k, ([], []))
-                grads.append(grad)
-                variables.append(var)
-        return members, alone
-
-    def _group_update(self, k: int, grads, variables, learning_rate, guard: bool) -> None:
-        """Packed group `k`'s update for the given members (the others kept as they were:
-        a variable without a gradient this step), written to the members and the state;
-        compiled with XLA (TensorFlow, in a strategy's update context)."""
-        weights, state = self._group_run(k, grads, variables, learning_rate, compile=True)(guard)
-        self._write_group(k, weights, state, variables)
-
-    def _group_run(self, k: int, grads, variables, learning_rate, compile: bool = False):
-        """A function of `guard` giving group `k`'s new `(weights, state)` for the members
-        `variables` (in any order; members without a gradient are kept); with `compile`,
-        the pure update is an XLA computation of the values read here."""
-        group = self._groups[k]
-        given = {}
-        for grad, var in zip(grads, variables):
-            index = self._get_variable_index(var)
-            given[index] = self._values(grad, var, learning_rate, index)
-        values, skip = [], []
-        for index, static in zip(self._members[k], group.statics):
-            if index in given:
-                values.append(given[index])
-                skip.append(False)
-            else:  # no gradient: a zero one, and its rows kept
-                var = self._trainable_variables[index]
-                values.append(self._values(ops.zeros(static.shape), var, learning_rate, index))
-                skip.append(True)
-        state = {name: read(v) for name, v in self._group_state[k].items()}
-        rule = functools.partial(packing.packed_rule, group.statics, self._hyper())
-        if not compile:
-            return lambda guard: rule(values, state, guard, skip=skip)
-        import tensorflow as tf
-
-        cache = self.__dict__.setdefault("_compiled_groups", {})
-
-        def run(guard):
-            key = (k, guard, tuple(skip))
-            if key not in cache:
-                pure = functools.partial(rule, guard=guard, skip=skip)
-                cache[key] = tf.function(pure, jit_compile=True, autograph=False)
-            return cache[key](values, state)
-
-        return run
-
-    def _write_group(self, k: int, weights, state: dict, variables) -> None:
-        given = {self._get_variable_index(v): v for v in variables}
-        for index, weight in zip(self._members[k], weights):
-            if index in given:
-                self.assign(given[index], weight)
-        for name, value in state.items():
-            self.assign(self._group_state[k][name], value)
-
-    def _packed_update(self, grads, trainable_variables, learning_rate) -> None:
-        """The update of all variables, written to them (as traced: JAX's step, or inside
-        `_compiled_update`'s XLA computation): the packed groups (`pack_small`) and, on
-        TensorFlow, the other variables under `_SMALL` values grouped for the step, each
-        group as one; every other variable by `lean_rule`."""
-        hyper = self._hyper()
-        packed = []
-        stack = self._pack_updates and keras.distribution.distribution() is None
-        members, alone = self._by_group(zip(grads, trainable_variables))
-        for g, v in alone:
-            static, values, writes = self._inputs(g, v, learning_rate)
-            if stack and packing.packable(static):
-                packed.append((static, values, writes))
-            else:
-                self._write(lean_rule(static, hyper, values), writes)
-        found = packing.groups(
-            [p[0] for p in packed],
-            ["weight_decay" in p[1] for p in packed],
-            largest=_SMALL,
-            squares=["grad_square" in p[1] for p in packed],
-        )
-        if not found and not members:
-            return
-        values = [[packed[i][1] for i in g.indices] for g in found]
-        runs = [self._group_run(k, *pair, learning_rate) for k, pair in members.items()]
-
-        # Every gradient finite (the usual step): no per-variable selects. Otherwise each
-        # variable whose gradient holds an inf or NaN keeps its state.
-        def run(guard):
-            stacked = [
-                packing.packed_rule(g.statics, hyper, v, None, guard) for g, v in zip(found, values)
-            ]
-            return stacked, [r(guard) for r in runs]
-
-        grads_seen = [v["grad"] for group in values for v in group]
-        grads_seen += [g for pair in members.values() for g in pair[0]]
-        finite = packing.all_finite(grads_seen)
-        stacked, own = ops.cond(finite, lambda: run(False), lambda: run(True))
-        for g, (weights, state) in zip(found, stacked):
-            for i, weight, rest in zip(g.indices, weights, packing.unstack(state, g.statics)):
-                self._write({"weight": weight, **rest}, packed[i][2])
-        for (k, pair), (weights, state) in zip(members.items(), own):
-            self._write_group(k, weights, state, pair[1])
-
-    def _compiled_update(self, grads, trainable_variables, learning_rate) -> None:
-        """TensorFlow: `_packed_update` compiled as one XLA computation, the variables read
-        and assigned inside it (no reads, assigns or argument copies around it in the
-        train step's graph). Side by side on a 2-core CPU, the lean/mixed_bfloat16 step
-        went 1.26 -> 1.22 on `compare`'s transformer and 1.07 -> 1.02 at 1M parameters
-        against XLA calls on tensors read before and assigned after (BENCHMARKS 15)."""
-        import tensorflow as tf
-
-        cache = self.__dict__.setdefault("_compiled_updates", {})
-        key = tuple(id(v) for v in trainable_variables)
-        if key not in cache:
-            variables = list(trainable_variables)
-
-            def update(grads, learning_rate):
-                self._packed_update(grads, variables, learning_rate)
-
-            cache[key] = tf.function(update, jit_compile=True, autograph=False)
-        cache[key](list(grads), tf.convert_to_tensor(learning_rate))
 
     def _rule_for(self, static: Static):
         """The pure update for variables like `static`; on TensorFlow compiled with XLA
