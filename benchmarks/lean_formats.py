@@ -9,7 +9,9 @@ nearly all of its values are in two large variables and its forward and backward
 are small beside the update. Variants, each its own compiled model in this one process:
 `sgd` (keras_mp `mixed_bfloat16` with plain SGD: the step without the optimizer's work, the
 floor), `adamw` (keras_mp `mixed_bfloat16`, float32 AdamW: 12 bytes a parameter), and
-`lean_bfloat16` with AdamW and each (rounding, moments) pair given in `--lean`. Each round
+`lean_bfloat16` with AdamW and each (rounding, moments) pair given in `--lean` (a third
+field `:pallas` runs that pair's update as `keras_mp.jax.lean_kernel`'s Pallas kernel, as
+`KERAS_MP_LEAN_KERNEL=pallas` does). Each round
 times `--steps` `train_on_batch` calls of every variant, the order reversed every other
 round. Prints one JSON line: each variant's median step (ms), and its update's time over
 the `sgd` floor, as a multiple of AdamW's.
@@ -70,13 +72,15 @@ def main(argv=None) -> int:
                 else keras.optimizers.AdamW(1e-3, weight_decay=0.01)
             )
         else:
-            rounding, moments = name.split(":")
+            rounding, moments, *kernel = name.split(":")
             model = kmp.convert(base, "lean_bfloat16")
             optimizer = kmp.LeanOptimizer(
                 keras.optimizers.AdamW(1e-3, weight_decay=0.01),
                 rounding=rounding,
                 moments=moments,
             )
+            if kernel:
+                optimizer._kernel = kernel[0]
         model.compile(optimizer=optimizer, loss=loss)
         start = time.perf_counter()
         model.train_on_batch(x, y)

@@ -46,6 +46,8 @@ ALL_SIZES = (*DEFAULT_SIZES, *LARGE_SIZES)
 POLICIES = ("mixed_bfloat16", "lean_bfloat16")
 # `--unpacked`: the lean step with each small variable's state in its own arrays too
 UNPACKED = "lean_bfloat16:pack_small=False"
+# `--pallas`: the lean step with the 4-bit update as one Pallas kernel a variable (JAX)
+PALLAS = "lean_bfloat16:pallas"
 
 
 def char_gpt(keras, layers_: int, width: int, length: int, vocab: int = 256):
@@ -100,12 +102,16 @@ def measure(size: str, args) -> dict:
 
     base, x, y, make_optimizer = _workload(size, args)
     variants = POLICIES + ((UNPACKED,) if args.unpacked else ())
+    variants += (PALLAS,) if args.pallas else ()
     models = {}
     for policy in variants:
         model = kmp.convert(base, policy.split(":")[0])
         optimizer = make_optimizer()
         if policy == UNPACKED:
             optimizer = kmp.LeanOptimizer(optimizer, pack_small=False)
+        if policy == PALLAS:
+            optimizer = kmp.LeanOptimizer(optimizer)
+            optimizer._kernel = "pallas"
         model.compile(
             optimizer=optimizer,
             loss=kmp.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -139,6 +145,10 @@ def measure(size: str, args) -> dict:
         unpacked = [u / m for u, m in zip(per_round[UNPACKED], per_round[POLICIES[0]])]
         extra["unpacked_ratio_median"] = round(statistics.median(unpacked), 4)
         extra["unpacked_ratios"] = [round(r, 4) for r in unpacked]
+    if args.pallas:
+        pallas = [k / m for k, m in zip(per_round[PALLAS], per_round[POLICIES[0]])]
+        extra["pallas_ratio_median"] = round(statistics.median(pallas), 4)
+        extra["pallas_ratios"] = [round(r, 4) for r in pallas]
     return {
         "backend": keras.backend.backend(),
         "size": size,
@@ -169,11 +179,15 @@ def worker(args) -> int:
 
 def table(rows: list) -> str:
     unpacked = any("unpacked_ratio_median" in r for r in rows)
+    pallas = any("pallas_ratio_median" in r for r in rows)
     lines = [
         "| backend | model | parameters | variables | lean / mixed step (median) | spread "
         "(min-max) | mixed step | lean step |"
-        + (" pack_small=False / mixed |" if unpacked else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|" if unpacked else ""),
+        + (" pack_small=False / mixed |" if unpacked else "")
+        + (" Pallas kernel / mixed |" if pallas else ""),
+        "|---|---|---|---|---|---|---|---|"
+        + ("---|" if unpacked else "")
+        + ("---|" if pallas else ""),
     ]
     for r in rows:
         ms = r["step_ms_median"]
@@ -185,6 +199,8 @@ def table(rows: list) -> str:
         )
         if unpacked:
             line += f" {r.get('unpacked_ratio_median', float('nan')):.2f} |"
+        if pallas:
+            line += f" {r.get('pallas_ratio_median', float('nan')):.2f} |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -202,6 +218,12 @@ def main(argv=None) -> int:
         "--unpacked",
         action="store_true",
         help="also time the lean step with pack_small=False (each state in its own arrays)",
+    )
+    p.add_argument(
+        "--pallas",
+        action="store_true",
+        help="also time the lean step with the 4-bit update as one Pallas kernel a variable "
+        "(keras_mp.jax.lean_kernel; JAX; interpreted, so slow, without a GPU)",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import keras
 from keras import ops
@@ -70,6 +71,19 @@ _BASE_ARGS = (
 
 
 _LABELS = ("momentum", "velocity")  # the moments' names in the optimizer's variables
+
+# How JAX runs the update of a variable with 4-bit moments: "xla" (`lean_rule`, traced
+# into the step) or "pallas" (`keras_mp.jax.lean_kernel`: one Triton kernel a variable on
+# a GPU, Pallas' interpreter elsewhere). Opt-in until a GPU measures it (BENCHMARKS 16.5).
+KERNEL_ENV = "KERAS_MP_LEAN_KERNEL"
+KERNELS = ("xla", "pallas")
+
+
+def _kernel_choice() -> str:
+    choice = os.environ.get(KERNEL_ENV, "xla").strip().lower() or "xla"
+    if choice not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected one of {KERNELS}.")
+    return choice
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -215,6 +229,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         # split across devices) are grouped for each step (`packing.stack`) on TensorFlow;
         # on JAX each is traced into the step (XLA fuses them there).
         self._pack_updates = keras.backend.backend() == "tensorflow"
+        self._kernel = _kernel_choice()
         self.beta_1 = float(getattr(inner_optimizer, "beta_1", 0.9))
         self.beta_2 = float(getattr(inner_optimizer, "beta_2", 0.999))
         self.epsilon = float(getattr(inner_optimizer, "epsilon", 1e-7))
@@ -486,7 +501,22 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 "on its own (pack_small)."
             )
         static, values, writes = self._inputs(gradient, variable, learning_rate)
-        self._write(self._rule_for(static)(values), writes)
+        new = self._kernel_rule(static, values)
+        self._write(self._rule_for(static)(values) if new is None else new, writes)
+
+    def _kernel_rule(self, static: Static, values: dict) -> dict | None:
+        """One variable's new state by `keras_mp.jax.lean_kernel` where it is chosen
+        (`KERAS_MP_LEAN_KERNEL=pallas`, JAX, no distribution) and applies; else None
+        (`lean_rule`'s turn)."""
+        if self._kernel == "pallas" and keras.backend.backend() == "jax":
+            from keras_mp.jax import lean_kernel
+
+            hyper = self._hyper()
+            if keras.distribution.distribution() is None and lean_kernel.applies(
+                static, hyper, values
+            ):
+                return lean_kernel.lean_kernel_rule(static, hyper, values)
+        return None
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         """All variables' updates: each packed group of small variables (`pack_small`, or

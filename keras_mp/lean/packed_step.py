@@ -112,7 +112,8 @@ def packed_update(opt, grads, trainable_variables, learning_rate) -> None:
         if stack and packing.packable(static):
             packed.append((static, values, writes))
         else:
-            opt._write(lean_rule(static, hyper, values), writes)
+            new = opt._kernel_rule(static, values)
+            opt._write(lean_rule(static, hyper, values) if new is None else new, writes)
     found = packing.groups(
         [p[0] for p in packed],
         ["weight_decay" in p[1] for p in packed],
