@@ -31,6 +31,16 @@ def test_second_moment_map_has_no_zero():
     np.testing.assert_allclose(back[0, 1:3], (1 / 16) ** 4, rtol=1e-6)
 
 
+def test_first_moment_codes_carry_the_sign_in_the_fourth_bit():
+    whole = np_(int4.decode(ops.arange(16, dtype="float32"), True))
+    magnitudes = (np.arange(8, dtype="float32") / 7) ** 3
+    np.testing.assert_allclose(whole, np.concatenate([magnitudes, -magnitudes]), rtol=1e-6)
+    np.testing.assert_array_equal(
+        np_(int4.decode(ops.arange(16, dtype="float32"), False)),
+        np_(int4.value(ops.arange(16, dtype="float32"), False)),
+    )
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_int4_moments_round_trip(signed):
     x = _moment(signed)

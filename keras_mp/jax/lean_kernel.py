@@ -80,13 +80,7 @@ def tile_rows(count: int, largest: int = ROWS) -> int:
 def _decode(code, scale, signed: bool):
     """`codecs.decode_moment`'s int4 arithmetic on float32 codes of `(rows, n)` values
     and their blocks' `(rows, 1)` scales."""
-    if signed:
-        negative = code >= 8.0
-        value = int4.value(ops.where(negative, code - 8.0, code), True)
-        value = ops.where(negative, -value, value)
-    else:
-        value = int4.value(code, False)
-    return value * scale
+    return int4.decode(code, signed) * scale
 
 
 def _encode(halves, noises, signed: bool):

@@ -444,13 +444,7 @@ def decode_moment(codes, scales, fmt: str, signed: bool, shape, block=None):
         length = 2 * int(length) if fmt == "int4" else int(length)
         block = Blocks((1,) * len(shape), int(count), length)
     if fmt == "int4":
-        code = int4.unpack(codes, block.length)
-        if signed:
-            negative = code >= 8.0
-            value = int4.value(ops.where(negative, code - 8.0, code), True)
-            value = ops.where(negative, -value, value)
-        else:
-            value = int4.value(code, False)
+        value = int4.decode(int4.unpack(codes, block.length), signed)
     else:
         code = ops.cast(codes, "float32")
         if signed:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from keras import ops
 
-__all__ = ["BLOCK", "code", "pack", "unpack", "value"]
+__all__ = ["BLOCK", "code", "decode", "pack", "unpack", "value"]
 
 BLOCK = 128  # values per scale (Li et al.: B128 for the first moment)
 _SIGNED_TOP = 7.0
@@ -44,6 +44,24 @@ def value(codes, signed: bool):
         fraction = codes * (1.0 / _SIGNED_TOP)
         return fraction * fraction * fraction  # _SIGNED_POWER, as products: no exp/log
     return ops.square(ops.square((codes + 1.0) * (1.0 / _UNSIGNED_LEVELS)))
+
+
+def decode(codes, signed: bool):
+    """The normalized values of whole 4-bit codes, the sign bit included.
+
+    Args:
+        codes: float32 tensor of codes in [0, 16), as `unpack` gives them.
+        signed: the first moment's map (codes 8-15 are the negatives of 0-7) or the
+            second moment's.
+
+    Returns:
+        A float32 tensor in [-1, 1] (`signed`) or (0, 1].
+    """
+    if not signed:
+        return value(codes, False)
+    negative = codes >= 8.0
+    magnitude = value(ops.where(negative, codes - 8.0, codes), True)
+    return ops.where(negative, -magnitude, magnitude)
 
 
 def code(values, normalized, noise, signed: bool):
