@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 34.2's next device check on one H200 (JAX), about 5 minutes (timeout_s=420): the
-# 4-bit lean update as one Pallas (Triton) kernel a variable (keras_mp/jax/lean_kernel.py,
+# 4-bit lean update as one Pallas (Triton) kernel a variable (keras_mp/lean/kernel.py,
 # BENCHMARKS.md 16.5) against XLA's, from the update alone to the GPT step. Records in $OUT.
 #
 # On the device machine (repository root; Keras wheels carried in .whl, see BENCHMARKS.md):

@@ -10,7 +10,7 @@ are small beside the update. Variants, each its own compiled model in this one p
 `sgd` (keras_mp `mixed_bfloat16` with plain SGD: the step without the optimizer's work, the
 floor), `adamw` (keras_mp `mixed_bfloat16`, float32 AdamW: 12 bytes a parameter), and
 `lean_bfloat16` with AdamW and each (rounding, moments) pair given in `--lean` (a third
-field `:pallas` runs that pair's update as `keras_mp.jax.lean_kernel`'s Pallas kernel, as
+field `:pallas` runs that pair's update as `keras_mp.lean.kernel`'s Pallas kernel, as
 `KERAS_MP_LEAN_KERNEL=pallas` does). Each round
 times `--steps` `train_on_batch` calls of every variant, the order reversed every other
 round. Prints one JSON line: each variant's median step (ms), and its update's time over

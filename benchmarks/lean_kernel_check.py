@@ -8,7 +8,7 @@ One bfloat16 variable of `--values` values (rows of 1024) with AdamW's 4-bit sta
 variant is one jitted update:
 
 - `xla`: `keras_mp.lean.rule.lean_rule`, as the train step traces it today;
-- `pallas RxW`: `keras_mp.jax.lean_kernel.lean_kernel_rule` with R blocks of 128 values a
+- `pallas RxW`: `keras_mp.lean.kernel.lean_kernel_rule` with R blocks of 128 values a
   program and W warps (`--configs`); on a CPU Pallas' interpreter runs it (for a dry run);
 - `adamw32`: float32 AdamW on float32 weight and moments (12 bytes a parameter), the same
   arithmetic in plain `jax.numpy`: what `mixed_bfloat16`'s update moves.
@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from keras_mp.jax import lean_kernel
     from keras_mp.lean import codecs
+    from keras_mp.lean import kernel as lean_kernel
     from keras_mp.lean.rule import Hyper, Static, lean_rule
 
     values_count = parse_values(args.values)

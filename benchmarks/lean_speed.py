@@ -223,7 +223,7 @@ def main(argv=None) -> int:
         "--pallas",
         action="store_true",
         help="also time the lean step with the 4-bit update as one Pallas kernel a variable "
-        "(keras_mp.jax.lean_kernel; JAX; interpreted, so slow, without a GPU)",
+        "(keras_mp.lean.kernel; JAX; interpreted, so slow, without a GPU)",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

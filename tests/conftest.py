@@ -4,6 +4,10 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow's CPU allocator keeps statistics (the tests of temporary memory read its peak)
+# only as a BFC allocator: oneDNN's on CPUs with AVX512 neural-network instructions, this one
+# elsewhere (on AVX2-only CPUs `reset_memory_stats("CPU:0")` raises without it).
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,4 +1,4 @@
-"""The 4-bit lean update as one Pallas kernel (`keras_mp.jax.lean_kernel`): run by Pallas'
+"""The 4-bit lean update as one Pallas kernel (`keras_mp.lean.kernel`): run by Pallas'
 interpreter on this CPU it gives `lean_rule`'s bits, in the rule and through `fit`.
 Compiled by Triton for a GPU it is timed by `benchmarks/lean_formats.py --kernel`."""
 
@@ -15,8 +15,8 @@ if BACKEND == "jax":
     from keras import ops
 
     import keras_mp as kmp
-    from keras_mp.jax import lean_kernel
     from keras_mp.lean import codecs
+    from keras_mp.lean import kernel as lean_kernel
     from keras_mp.lean.rule import Hyper, Static, lean_rule
 
 

@@ -38,8 +38,12 @@ def test_previous_release_file_loads_and_trains_on(policy, loader):
 
     assert type(model.optimizer).__name__ == want["optimizer"]
     assert {layer.name: layer.dtype_policy.name for layer in model.layers} == want["dtype_policies"]
+    # bfloat16 keeps 8 significant bits, and CPUs with and without native bfloat16 dot
+    # instructions round its intermediates differently (0.019 apart at most, seen between an
+    # AVX512-BF16 and an AVX2-only CPU on this file).
+    atol = 0.03 if policy == "lean_bfloat16" else 0.01
     np.testing.assert_allclose(
-        model.predict(x[:2], verbose=0), np.asarray(want["prediction"]), rtol=0.02, atol=0.01
+        model.predict(x[:2], verbose=0), np.asarray(want["prediction"]), rtol=0.02, atol=atol
     )
     saved = want["small_optimizer_variables"]
     state = {

@@ -73,7 +73,7 @@ _BASE_ARGS = (
 _LABELS = ("momentum", "velocity")  # the moments' names in the optimizer's variables
 
 # How JAX runs the update of a variable with 4-bit moments: "xla" (`lean_rule`, traced
-# into the step) or "pallas" (`keras_mp.jax.lean_kernel`: one Triton kernel a variable on
+# into the step) or "pallas" (`keras_mp.lean.kernel`: one Triton kernel a variable on
 # a GPU, Pallas' interpreter elsewhere). Opt-in until a GPU measures it (BENCHMARKS 16.5).
 KERNEL_ENV = "KERAS_MP_LEAN_KERNEL"
 KERNELS = ("xla", "pallas")
@@ -505,11 +505,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         self._write(self._rule_for(static)(values) if new is None else new, writes)
 
     def _kernel_rule(self, static: Static, values: dict) -> dict | None:
-        """One variable's new state by `keras_mp.jax.lean_kernel` where it is chosen
+        """One variable's new state by `keras_mp.lean.kernel` where it is chosen
         (`KERAS_MP_LEAN_KERNEL=pallas`, JAX, no distribution) and applies; else None
         (`lean_rule`'s turn)."""
         if self._kernel == "pallas" and keras.backend.backend() == "jax":
-            from keras_mp.jax import lean_kernel
+            from keras_mp.lean import kernel as lean_kernel
 
             hyper = self._hyper()
             if keras.distribution.distribution() is None and lean_kernel.applies(
