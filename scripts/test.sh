@@ -2,7 +2,9 @@
 # Installs keras_mp with its test extras and runs the suite: every test on the
 # TensorFlow backend and, at the same time in a second process, the backend-neutral ones
 # again on JAX (CPU); the JAX pass's output follows the TensorFlow one.
-# KMP_TEST_SERIAL=1 runs the two passes one after the other.
+# KMP_TEST_SERIAL=1 runs the two passes one after the other. KMP_TEST_OLDEST_KERAS=1 (CI)
+# also runs scripts/test_oldest_keras.sh, in the second lane after the JAX pass, where a
+# core is free while the longer TensorFlow pass goes on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[test,plot]"
@@ -13,20 +15,36 @@ jax_pass() {
 tf_pass() {
   KERAS_BACKEND=tensorflow python -m pytest -q -p no:cacheprovider "$@"
 }
+oldest_pass() {
+  if [ "${KMP_TEST_OLDEST_KERAS:-0}" = "1" ]; then
+    bash scripts/test_oldest_keras.sh "$@"
+  fi
+}
+# The second lane: the JAX pass, then (CI) the oldest-Keras pass; its exit status is 0 only
+# when both passed, and it names which failed.
+second_lane() {
+  local jax_rc=0 old_rc=0
+  jax_pass "$@" || jax_rc=$?
+  echo "=== JAX pass: exit $jax_rc ==="
+  oldest_pass "$@" || old_rc=$?
+  [ "${KMP_TEST_OLDEST_KERAS:-0}" != "1" ] || echo "=== oldest-Keras pass: exit $old_rc ==="
+  [ "$jax_rc" -eq 0 ] && [ "$old_rc" -eq 0 ]
+}
 if [ "${KMP_TEST_SERIAL:-0}" = "1" ]; then
   tf_pass "$@"
   jax_pass "$@"
+  oldest_pass "$@"
   exit 0
 fi
-jax_log="$(mktemp)"
-trap 'rm -f "$jax_log"' EXIT
-jax_pass "$@" > "$jax_log" 2>&1 &
-jax_pid=$!
+lane_log="$(mktemp)"
+trap 'rm -f "$lane_log"' EXIT
+second_lane "$@" > "$lane_log" 2>&1 &
+lane_pid=$!
 tf_rc=0
 tf_pass "$@" || tf_rc=$?
-jax_rc=0
-wait "$jax_pid" || jax_rc=$?
-echo "=== JAX pass (exit $jax_rc) ==="
-cat "$jax_log"
-echo "=== TensorFlow pass: exit $tf_rc; JAX pass: exit $jax_rc ==="
-[ "$tf_rc" -eq 0 ] && [ "$jax_rc" -eq 0 ]
+lane_rc=0
+wait "$lane_pid" || lane_rc=$?
+echo "=== second lane (JAX pass, then any oldest-Keras pass) ==="
+cat "$lane_log"
+echo "=== TensorFlow pass: exit $tf_rc; second lane: exit $lane_rc ==="
+[ "$tf_rc" -eq 0 ] && [ "$lane_rc" -eq 0 ]

@@ -4,7 +4,8 @@
 # client examples. scripts/test.sh covers the newest Keras pip resolves. The old Keras goes
 # into a second virtual environment that sees the first one's packages (a .pth file) and
 # shadows only `keras`: keras_hub 0.32 declares keras>=3.15 but its models used here run on
-# the older Keras too. Runs after scripts/test.sh, from the same virtual environment.
+# the older Keras too. Runs from the virtual environment scripts/test.sh installed into
+# (`KMP_TEST_OLDEST_KERAS=1 bash scripts/test.sh` runs it there, after the JAX pass).
 # Every other test module gets a fast smoke selection (SMOKE below, ~30 s on 2 cores),
 # so each module is imported and exercised on the oldest Keras without a second whole pass.
 # Left out: tests/test_examples.py and tests/test_lean_distribute.py (each test starts
