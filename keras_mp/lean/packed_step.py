@@ -136,12 +136,26 @@ def packed_update(opt, grads, trainable_variables, learning_rate) -> None:
     grads_seen = [v["grad"] for group in values for v in group]
     grads_seen += [g for pair in members.values() for g in pair[0]]
     finite = packing.all_finite(grads_seen)
-    stacked, own = ops.cond(finite, lambda: run(False), lambda: run(True))
+    if _concrete(finite):  # run eagerly on JAX: no `cond` traced and compiled anew each step
+        stacked, own = run(not bool(finite))
+    else:
+        stacked, own = ops.cond(finite, lambda: run(False), lambda: run(True))
     for g, (weights, state) in zip(found, stacked):
         for i, weight, rest in zip(g.indices, weights, packing.unstack(state, g.statics)):
             opt._write({"weight": weight, **rest}, packed[i][2])
     for (k, pair), (weights, state) in zip(members.items(), own):
         write_group(opt, k, weights, state, pair[1])
+
+
+def _concrete(x) -> bool:
+    """Whether `x` holds its value now: a JAX array outside any trace (`run_eagerly`,
+    an eager custom loop), where `ops.cond` would trace both branches and compile them on
+    every call (about a second a step on a small MLP)."""
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return not isinstance(x, jax.core.Tracer)
 
 
 def compiled_update(opt, grads, trainable_variables, learning_rate) -> None:
