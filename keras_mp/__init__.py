@@ -35,9 +35,10 @@ from keras_mp import (
     saving,
 )
 from keras_mp.conversion import convert, plan
-from keras_mp.fit import FitReport, will_it_fit
+from keras_mp.fit import FitReport, will_it_fit  # deprecated aliases
 from keras_mp.lean import LeanOptimizer, state_bytes
 from keras_mp.loss_scale import LossScaleOptimizer
+from keras_mp.memory_estimate import MemoryReport, estimate_memory
 from keras_mp.observe import AuditReport, LossScaleCollapseError, audit, callbacks
 from keras_mp.policies import (
     DEFAULT_KEEP_FP32,
@@ -58,6 +59,8 @@ if _keras.backend.backend() == "tensorflow":  # bfloat16/uint8 variables under m
     widen_collective_broadcasts()
 
 __all__ = [
+    "MemoryReport",
+    "estimate_memory",
     "FitReport",
     "will_it_fit",
     "LeanOptimizer",

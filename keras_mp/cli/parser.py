@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 
 from keras_mp.cli import diff as _diff
-from keras_mp.cli import fit as _fit
+from keras_mp.cli import memory as _memory
 
 __all__ = ["COMMANDS", "PROG", "CLIError", "Command", "build_parser", "command"]
 
@@ -250,12 +250,21 @@ COMMANDS = (
         "and the recommended policy.",
     ),
     Command(
+        name="memory",
+        module="keras_mp.cli.memory",
+        help=_memory.HELP,
+        description=_memory.DESCRIPTION,
+        arguments=_memory.add_arguments,
+        check=_memory.check,
+    ),
+    Command(  # the former name of `memory`, kept as an alias
         name="fit",
-        module="keras_mp.cli.fit",
-        help=_fit.HELP,
-        description=_fit.DESCRIPTION,
-        arguments=_fit.add_arguments,
-        check=_fit.check,
+        module="keras_mp.cli.memory",
+        help="the former name of `memory` (an alias)",
+        description="The former name of `keras-mp memory`, with the same arguments: "
+        + _memory.DESCRIPTION,
+        arguments=_memory.add_arguments,
+        check=_memory.check,
     ),
     Command(
         name="diff",

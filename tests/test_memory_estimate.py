@@ -1,4 +1,5 @@
-"""`kmp.will_it_fit` and `keras-mp fit`: the compiled train step's peak under each policy."""
+"""`kmp.estimate_memory` and `keras-mp memory` (formerly `will_it_fit`, `keras-mp fit`): the
+compiled train step's peak under each policy."""
 
 import contextlib
 import importlib.util
@@ -30,10 +31,10 @@ def _model(vocab=256, d=32, seq=32):
 
 
 @jax_only
-def test_will_it_fit_orders_the_policies_and_sizes_the_state():
+def test_estimate_memory_orders_the_policies_and_sizes_the_state():
     model = _model()
     x = np.zeros((8, 32), "int32")
-    report = kmp.will_it_fit(model, x)
+    report = kmp.estimate_memory(model, x)
     assert report.policies == ["float32", "mixed_bfloat16", "lean_bfloat16"]
     f32, mixed, lean = (report[p] for p in report.policies)
     assert lean.peak_bytes < mixed.peak_bytes < f32.peak_bytes
@@ -49,14 +50,14 @@ def test_will_it_fit_orders_the_policies_and_sizes_the_state():
     assert report.exact is False and report.headroom_bytes == 0  # XLA:CPU: an estimate
     text = str(report)
     assert "lean_bfloat16" in text and "an estimate: XLA:CPU" in text and "yes" in text
-    assert kmp.FitReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    assert kmp.MemoryReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
 
 
 @jax_only
-def test_will_it_fit_materialises_no_weight_and_says_what_does_not_fit():
+def test_estimate_memory_materialises_no_weight_and_says_what_does_not_fit():
     model = _model()
     before = [np.asarray(v.value).copy() for v in model.weights]
-    report = kmp.will_it_fit(
+    report = kmp.estimate_memory(
         model, np.zeros((4, 32), "int32"), policies="lean_bfloat16", memory_gib=0.0001
     )
     row = report["lean_bfloat16"]
@@ -69,23 +70,23 @@ def test_will_it_fit_materialises_no_weight_and_says_what_does_not_fit():
         report["float32"]
 
 
-def test_will_it_fit_names_the_bad_argument():
+def test_estimate_memory_names_the_bad_argument():
     model = _model()
     x = np.zeros((2, 32), "int32")
     with pytest.raises(ValueError, match="`policies`"):
-        kmp.will_it_fit(model, x, policies=("float64",))
+        kmp.estimate_memory(model, x, policies=("float64",))
     with pytest.raises(ValueError, match="`memory_gib`"):
-        kmp.will_it_fit(model, x, memory_gib=-1)
+        kmp.estimate_memory(model, x, memory_gib=-1)
     with pytest.raises(ValueError, match="`model`"):
-        kmp.will_it_fit(keras.Sequential([keras.layers.Dense(2)]), x)
+        kmp.estimate_memory(keras.Sequential([keras.layers.Dense(2)]), x)
 
 
 @jax_only
-def test_cli_fit_prints_the_table_and_exits_1_when_a_policy_does_not_fit(tmp_path, capsys):
+def test_cli_memory_prints_the_table_and_exits_1_when_a_policy_does_not_fit(tmp_path, capsys):
     path = str(tmp_path / "lm.keras")
     _model(seq=16).save(path)
     status = main(
-        ["fit", path, "--batch-size", "4", "--policies", "float32,lean_bfloat16", "--json"]
+        ["memory", path, "--batch-size", "4", "--policies", "float32,lean_bfloat16", "--json"]
     )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert status == 0
@@ -102,32 +103,32 @@ def test_cli_fit_prints_the_table_and_exits_1_when_a_policy_does_not_fit(tmp_pat
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["fit", "nosuch"], "neither a .keras file nor a bundled model"),
-        (["fit", "missing.keras", "--batch-size", "2"], "no such model file"),
-        (["fit", "tiny_gpt", "--policies", "float64"], "--policies: unknown"),
+        (["memory", "nosuch"], "neither a .keras file nor a bundled model"),
+        (["memory", "missing.keras", "--batch-size", "2"], "no such model file"),
+        (["memory", "tiny_gpt", "--policies", "float64"], "--policies: unknown"),
         (["fit", "tiny_gpt", "--batch-size", "0"], "must be positive"),
         (["fit", "tiny_gpt", "--input-shapes", "a,b"], "--input-shapes"),
         (["fit", "tiny_gpt", "--device", "missing.txtpb"], "--device: no such"),
     ],
 )
-def test_cli_fit_bad_arguments_give_one_line_and_status_2(argv, message, capsys):
+def test_cli_memory_bad_arguments_give_one_line_and_status_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("keras-mp fit: error:") and message in err
+    assert err.startswith(f"keras-mp {argv[0]}: error:") and message in err
     assert len(err.splitlines()) == 1
 
 
-def test_cli_fit_needs_a_batch_size_for_a_saved_model(tmp_path, capsys):
+def test_cli_memory_needs_a_batch_size_for_a_saved_model(tmp_path, capsys):
     path = tmp_path / "m.keras"
     path.write_bytes(b"")
-    assert main(["fit", str(path)]) == 2
+    assert main(["memory", str(path)]) == 2
     assert "--batch-size is needed" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 @pytest.mark.tf_only
-def test_will_it_fit_on_tensorflow_sizes_the_saved_model_under_jax():
-    report = kmp.will_it_fit(
+def test_estimate_memory_on_tensorflow_sizes_the_saved_model_under_jax():
+    report = kmp.estimate_memory(
         _model(seq=16), np.zeros((4, 16), "int32"), policies=("float32", "lean_bfloat16")
     )
     assert report["lean_bfloat16"].peak_bytes < report["float32"].peak_bytes
@@ -166,10 +167,10 @@ def test_remat_scope_recomputes_keras_mp_attention_on_jax():
 @pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins") is None, reason="needs JAX's CUDA plugin"
 )
-def test_cli_fit_compiles_for_an_h200_without_one():
+def test_cli_memory_compiles_for_an_h200_without_one():
     """A GPU description (benchmarks/h200.txtpb) compiled for on a CPU: exact, 1 GiB kept."""
     env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT)}
-    argv = ["fit", "tiny_gpt", "--device", str(ROOT / "benchmarks" / "h200.txtpb"), "--json"]
+    argv = ["memory", "tiny_gpt", "--device", str(ROOT / "benchmarks" / "h200.txtpb"), "--json"]
     done = subprocess.run(
         [sys.executable, "-m", "keras_mp_launcher", *argv],
         capture_output=True,
@@ -186,7 +187,7 @@ def test_cli_fit_compiles_for_an_h200_without_one():
 
 
 @jax_only
-def test_will_it_fit_sizes_a_model_built_under_a_remat_scope():
+def test_estimate_memory_sizes_a_model_built_under_a_remat_scope():
     """The abstract copy keeps each layer's RematScope (Keras reads it when a layer is
     made), so the compiled step is the recomputing one: a different program. (On XLA:CPU
     its estimate is not lower at this size; on an H200 the GPT's is: BENCHMARKS section 14.)"""
@@ -197,7 +198,87 @@ def test_will_it_fit_sizes_a_model_built_under_a_remat_scope():
     copy = abstract_copy(remat)
     assert copy.get_layer("ffn_in")._remat_mode.layer_names == ["ffn_in"]
     x = np.zeros((8, 32), "int32")
-    kept = kmp.will_it_fit(_model(), x, policies="lean_bfloat16")["lean_bfloat16"]
-    recomputed = kmp.will_it_fit(remat, x, policies="lean_bfloat16")["lean_bfloat16"]
+    kept = kmp.estimate_memory(_model(), x, policies="lean_bfloat16")["lean_bfloat16"]
+    recomputed = kmp.estimate_memory(remat, x, policies="lean_bfloat16")["lean_bfloat16"]
     assert recomputed.weights_bytes == kept.weights_bytes
     assert recomputed.temp_bytes != kept.temp_bytes
+
+
+def test_the_former_names_are_aliases():
+    from keras_mp import fit
+
+    assert kmp.FitReport is kmp.MemoryReport and fit.PolicyFit is kmp.memory_estimate.PolicyMemory
+    with pytest.warns(DeprecationWarning, match="estimate_memory"):
+        with pytest.raises(ValueError, match="`policies`"):  # same arguments, same checks
+            kmp.will_it_fit(_model(), np.zeros((2, 32), "int32"), policies="float64")
+
+
+# Run where `import jax` fails, as after `pip install keras_mp` without the jax extra.
+_WITHOUT_JAX = """
+import sys
+sys.modules["jax"] = None
+import json, os
+import numpy as np
+import keras
+import keras_mp as kmp
+from keras_mp.cli import main
+
+inputs = keras.Input((4,))
+model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+out = {"backend": keras.backend.backend()}
+try:
+    kmp.estimate_memory(model, np.zeros((2, 4), "float32"))
+except Exception as error:
+    out["library"] = [type(error).__name__, str(error), isinstance(error, ImportError)]
+model.save(os.path.join(sys.argv[1], "m.keras"))
+out["cli"] = main(["memory", os.path.join(sys.argv[1], "m.keras"), "--batch-size", "8"])
+out["alias"] = main(["fit", os.path.join(sys.argv[1], "m.keras"), "--batch-size", "8"])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.tf_only
+def test_without_jax_the_estimate_says_what_to_install(tmp_path):
+    """Issue 46: on TensorFlow without JAX, `will_it_fit` died of an IndexError (the JAX
+    subprocess's exit status 1 read as "does not fit", its empty output then parsed) and
+    `keras-mp fit` blamed a `--backend jax` nobody passed."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_JAX, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow", "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    kind, message, is_import_error = out["library"]
+    assert kind == "MissingExtraError" and is_import_error
+    assert 'pip install "keras_mp[jax]"' in message and "estimate_memory" in message
+    assert out["cli"] == 2 and out["alias"] == 2
+    errors = [line for line in done.stderr.splitlines() if ": error:" in line]
+    assert errors[0].startswith("keras-mp memory: error:")
+    assert errors[1].startswith("keras-mp fit: error:")
+    for line in errors:
+        assert 'pip install "keras_mp[jax]"' in line and "--backend jax" not in line
+
+
+def test_a_jax_subprocess_that_dies_is_an_error_not_a_report():
+    from keras_mp.memory_estimate import _subprocess_report
+
+    died = subprocess.CompletedProcess([], 1, stdout="", stderr="Traceback\nOSError: boom\n")
+    with pytest.raises(RuntimeError, match="exit status 1: OSError: boom"):
+        _subprocess_report(died)
+    noise = subprocess.CompletedProcess([], 1, stdout="a log line\n", stderr="")
+    with pytest.raises(RuntimeError, match="a log line"):
+        _subprocess_report(noise)
+    row = {
+        "policy": "float32", "peak_bytes": 10, "weights_bytes": 4, "optimizer_bytes": 4,
+        "temp_bytes": 2, "fits": False, "error": None,
+    }  # fmt: skip
+    report = {
+        "model": "m", "batch": [[2, 4]], "device": "cpu", "memory_bytes": 8,
+        "headroom_bytes": 0, "exact": False, "rows": [row],
+    }  # fmt: skip
+    fits_not = subprocess.CompletedProcess([], 1, stdout=json.dumps(report) + "\n", stderr="")
+    assert _subprocess_report(fits_not)["float32"].fits is False
