@@ -162,7 +162,7 @@ def keras_mp_plan(dtype: str, num_layers: int) -> tuple:
 def _forget_uninitialised() -> None:
     """Keras initialises the variables a `StatelessScope` left uninitialised when the next
     outermost one closes (`model.train_step` opens one): it must not, they are abstract."""
-    from keras.src.backend.common import global_state
+    from keras_mp.keras_internals import global_state
 
     global_state.set_global_attribute("uninitialized_variables", [])
 
@@ -188,9 +188,9 @@ def build(policy: str, kwargs: dict, distribution, remat: bool):
     set from the keras_mp twin's."""
     import keras
     import keras_hub
-    from keras.src.backend.common.stateless_scope import StatelessScope
 
     import keras_mp as kmp
+    from keras_mp.keras_internals import StatelessScope
 
     dtype = POLICIES[policy]
     stock = policy.startswith("stock_")

@@ -73,7 +73,9 @@ def target_sharding(target: str):
 def _answer_flash_attention_as_a_gpu() -> None:
     """Keras' JAX backend enables cuDNN flash attention where the local GPU supports it;
     with no local GPU, answer for the target (compute capability >= 8.0, cuDNN >= 9)."""
-    from keras.src.backend.jax import nn as jax_nn
+    from keras_mp.keras_internals import jax_nn as _jax_nn
+
+    jax_nn = _jax_nn()
 
     jax_nn._can_use_flash_attention = lambda *args, raise_error=False, **kwargs: True
 

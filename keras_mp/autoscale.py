@@ -18,8 +18,15 @@ Under the `"lean_bfloat16"` policy (bfloat16 weights), a plain Keras optimizer b
 its fused path, any other (`"rmsprop"`, Adafactor, Lion...) through its own update on the
 decoded state; a wrapper (`LossScaleOptimizer`, `MultiOptimizer`) raises a `ValueError`.
 
-`compile(..., auto_scale_loss=False)` turns all of it off, as in Keras. A model under a
-plain Keras `"mixed_float16"` with no keras_mp policy in sight keeps Keras' own wrapping.
+Under `"mixed_bfloat16"`, `"float32"` or `"float8"` (a keras_mp policy in sight, or Keras'
+own `"mixed_bfloat16"`) the optimizer becomes `kmp.LossScaleOptimizer(optimizer,
+initial_scale=1, dynamic=False)`: nothing is scaled, but a step with a non-finite gradient
+changes no weight and no slot, and is counted (`skipped_steps`), as under float16.
+
+`compile(..., auto_scale_loss=False)` turns all of it off, as in Keras. Keras' own
+`"mixed_float16"` (`keras.mixed_precision.set_global_policy`) is treated as keras_mp's: the
+scaler Keras wraps the optimizer in becomes `kmp.LossScaleOptimizer` (bounded, and it
+notices a loss that was never scaled instead of dividing its gradients by the scale).
 A model with its own `train_step` compiled with no optimizer (a GAN's `super().compile()`,
 which keeps its optimizers as attributes) is left with Keras' default, unwrapped: those
 its `train_step` applies are checked by `keras_mp.optimizer_guard` instead.
@@ -32,10 +39,16 @@ import inspect
 import warnings
 
 import keras
-from keras.src.trainers.trainer import Trainer
-from keras.src.utils.tracking import DotNotTrackScope
 
-__all__ = ["install", "stock_scaler_message", "wants_keras_mp_scaler", "wants_lean_optimizer"]
+from keras_mp.keras_internals import DotNotTrackScope, Trainer
+
+__all__ = [
+    "install",
+    "stock_scaler_message",
+    "wants_keras_mp_scaler",
+    "wants_lean_optimizer",
+    "wants_skip_only",
+]
 
 
 def _runs_float16(model) -> bool:
@@ -58,10 +71,10 @@ def wants_keras_mp_scaler(model: keras.Model) -> bool:
     """Whether compiling `model` should give it `kmp.LossScaleOptimizer`.
 
     True when the model computes in float16 with float32 variables (the model's policy or
-    any layer's) and either a keras_mp policy is in sight (a `DTypePolicyMap` or
-    `kmp.Policy` on the model, or `kmp.set_global_policy`) or Keras would not wrap it
-    (its policy is not named `"mixed_float16"`: a policy map, or a model whose layers
-    carry their own policies, as a loaded converted model does).
+    any layer's), whichever policy made it: a keras_mp policy (a `DTypePolicyMap` or
+    `kmp.Policy` on the model, or `kmp.set_global_policy`), Keras' own `"mixed_float16"`
+    (`keras.mixed_precision.set_global_policy`), or layers carrying their own policies
+    (a loaded converted model, which Keras would not wrap at all).
 
     Args:
         model: A Keras model.
@@ -69,9 +82,9 @@ def wants_keras_mp_scaler(model: keras.Model) -> bool:
     Returns:
         A bool.
     """
-    if not _runs_float16(model):
-        return False
-    return _keras_mp_policy_in_sight(model) or model.dtype_policy.name != "mixed_float16"
+    # Keras' own "mixed_float16" with keras_mp imported too: users arrive with Keras'
+    # spelling, and Keras' scaler is unbounded and misses a loss that was never scaled.
+    return _runs_float16(model)
 
 
 def _lean_policy_in_sight(model) -> bool:
@@ -103,6 +116,26 @@ def wants_lean_optimizer(model: keras.Model) -> bool:
     if not _lean_policy_in_sight(model):
         return False
     return any(v.dtype == "bfloat16" for v in model.trainable_variables)
+
+
+def wants_skip_only(model: keras.Model) -> bool:
+    """Whether compiling `model` should give it `kmp.LossScaleOptimizer(optimizer,
+    initial_scale=1, dynamic=False)`: nothing scaled, a non-finite step skipped and counted.
+
+    True for a model that computes in no float16 and stores no lean bfloat16 weights
+    (`"mixed_bfloat16"`, `"float32"`, `"float8"`) under a keras_mp policy (the model's, a
+    converted model's map, or `kmp.set_global_policy`) or Keras' own `"mixed_bfloat16"`:
+    one NaN batch would otherwise reach every weight, as it does in stock Keras.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        A bool.
+    """
+    if _runs_float16(model) or wants_lean_optimizer(model):
+        return False
+    return _keras_mp_policy_in_sight(model) or model.dtype_policy.name == "mixed_bfloat16"
 
 
 def stock_scaler_message(model: keras.Model) -> str | None:
@@ -157,6 +190,10 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
         # Saved with the model, so loading restores the lean optimizer and its variables.
         model._compile_config.config["optimizer"] = model.optimizer
         return
+    if wants_skip_only(model) and not isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        with DotNotTrackScope():
+            model.optimizer = LossScaleOptimizer(opt, initial_scale=1.0, dynamic=False)
+        return
     if not wants_keras_mp_scaler(model):
         return
     passed = arguments.get("optimizer")
@@ -165,9 +202,7 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
             warnings.warn(stock_scaler_message(model), UserWarning, stacklevel=3)
             optimizer_guard.exempt(opt.inner_optimizer)
             return
-        if not _keras_mp_policy_in_sight(model):
-            return  # Keras' own wrapping of a plain Keras model
-        inner = opt.inner_optimizer
+        inner = opt.inner_optimizer  # Keras' own wrapping: its scaler is replaced
     else:
         inner = opt  # Keras did not wrap at all
     with DotNotTrackScope():

@@ -19,6 +19,12 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_mp import keras_internals
+from keras_mp.grad_finite import is_sparse as _is_sparse
+from keras_mp.grad_finite import per_variable_finite as _per_variable_finite
+from keras_mp.grad_finite import sparse_values as _values
+from keras_mp.grad_finite import with_static_shape as _with_static_shape
+
 __all__ = [
     "LossScaleConfig",
     "LossScaleOptimizer",
@@ -192,49 +198,6 @@ def initial_loss_scale_state(config: LossScaleConfig, num_variables: int) -> Los
     )
 
 
-def _is_sparse(g) -> bool:
-    return hasattr(g, "indices") and hasattr(g, "values") and hasattr(g, "dense_shape")
-
-
-def _values(g):
-    return g.values if _is_sparse(g) else g
-
-
-def _with_static_shape(g, variable):
-    """A dense gradient whose static shape is not fully known (TensorFlow, e.g. through a
-    sequence of unknown length) reshaped to its variable's: the inner optimizer's update
-    needs it (`as_list() is not defined on an unknown TensorShape`)."""
-    if g is None or _is_sparse(g):
-        return g
-    shape = g.shape
-    if getattr(shape, "rank", 0) is None:  # a TensorShape of unknown rank
-        return ops.reshape(g, variable.shape)
-    return g if all(d is not None for d in shape) else ops.reshape(g, variable.shape)
-
-
-def _per_variable_finite(grads) -> Any:
-    """One bool per gradient: all of its values finite (True for None)."""
-    if not grads:
-        return ops.ones((0,), "bool")
-    if keras.backend.backend() != "jax":
-        flags = [ops.all(ops.isfinite(_values(g))) if g is not None else None for g in grads]
-        return ops.stack([ops.ones((), "bool") if f is None else f for f in flags])
-    # XLA: gradients of one shape are checked by one reduction over their stack (XLA fuses
-    # the stack into it, nothing is copied), not one kernel each (BENCHMARKS.md section 9).
-    flags = [ops.ones((), "bool")] * len(grads)
-    groups: dict = {}
-    for i, g in enumerate(grads):
-        if g is not None:
-            groups.setdefault((tuple(g.shape), str(g.dtype)), []).append(i)
-    for (shape, _), indices in groups.items():
-        stacked = ops.stack([grads[i] for i in indices])
-        rows = ops.reshape(ops.isfinite(stacked), (len(indices), math.prod(shape)))
-        finite = ops.all(rows, axis=1)
-        for j, i in enumerate(indices):
-            flags[i] = finite[j]
-    return ops.stack(flags)
-
-
 # Which optimizers had `scale_loss` called since their last `apply`, per thread (a
 # MirroredStrategy traces each replica's step in its own thread). Set and read while the
 # step is traced (or run eagerly), so the compiled step knows it as a constant.
@@ -311,6 +274,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         dynamic: `False` for a static scale fixed at `initial_scale`.
         name: optimizer name.
 
+    With `initial_scale=1, dynamic=False` (`skip_only`) nothing is scaled: the optimizer
+    only skips and counts non-finite steps. Compiling a model under a keras_mp
+    `"mixed_bfloat16"` or `"float32"` policy gives it that (`keras_mp.autoscale`), so one
+    NaN batch never reaches the weights under any policy.
+
     Example:
 
     >>> opt = LossScaleOptimizer(keras.optimizers.AdamW(1e-3), initial_scale=2.0**15)
@@ -381,6 +349,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The current loss scale (a float32 variable)."""
         return self.dynamic_scale
 
+    @property
+    def skip_only(self) -> bool:
+        """True for a static scale of 1 (`initial_scale=1, dynamic=False`: what compile
+        gives a bfloat16 or float32 model under a keras_mp policy): the gradients are
+        applied as they are, a non-finite step skipped and counted."""
+        config = self.loss_scale_config
+        return not config.dynamic and config.initial_scale == 1.0
+
     def scale_loss(self, loss):
         """Multiplies `loss` by the current scale, and marks this step's gradients scaled.
 
@@ -395,10 +371,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `loss * scale`.
         """
         _mark_scaled(self)
+        if self.skip_only:
+            return loss
         return super().scale_loss(loss)
 
     def _scaled_this_step(self) -> bool:
         scaled = _take_scaled(self)
+        if self.skip_only:
+            return False  # nothing to divide by, nothing to warn about
         if not scaled and not getattr(self, "_warned_not_scaled", False):
             self._warned_not_scaled = True
             warnings.warn(_NOT_SCALED_MESSAGE.format(name=self.name), UserWarning, stacklevel=4)
@@ -412,7 +392,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- state ---------------------------------------------------------------------
 
-    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    @keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
         init = initial_loss_scale_state(self.loss_scale_config, len(var_list))
 
@@ -527,7 +507,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             grads: the scaled gradients, one per trainable variable.
             trainable_variables: the variables (default: those given to `build`).
         """
-        if keras.backend.backend() != "jax" or keras.src.backend.in_stateless_scope():
+        if keras.backend.backend() != "jax" or keras_internals.in_stateless_scope():
             return super().apply(grads, trainable_variables)
         if not self.built:
             self.build(trainable_variables)

@@ -28,10 +28,13 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 
 from __future__ import annotations
 
+import inspect
+
 import keras
+import numpy as np
 from keras import ops
-from keras.src.backend import get_keras_mask, set_keras_mask
-from keras.src.losses.loss import reduce_weighted_values
+
+from keras_mp.keras_internals import get_keras_mask, reduce_weighted_values, set_keras_mask
 
 __all__ = [
     "BinaryCrossentropy",
@@ -137,6 +140,39 @@ def _fused_xla(labels, logits, valid):
     return fused(logits)
 
 
+def _known_shape(x) -> tuple | None:
+    """`x`'s shape as a tuple, or None where its rank is unknown (a TF graph tensor)."""
+    try:
+        shape = x.shape if hasattr(x, "shape") else np.shape(x)
+        return tuple(shape)
+    except (ValueError, TypeError):
+        return None
+
+
+def _check_sparse_shapes(target_shape, output_shape) -> None:
+    """Keras' checks of integer labels against logits, made before the fused path (whose
+    own error, from inside the backend, would not name the labels)."""
+    if len(target_shape) != len(output_shape) - 1:
+        hint = (
+            " The labels look one-hot (the same shape as the predictions): use "
+            "`kmp.losses.CategoricalCrossentropy` for one-hot labels, or pass class indices."
+            if tuple(target_shape) == tuple(output_shape)
+            else ""
+        )
+        raise ValueError(
+            "SparseCategoricalCrossentropy: the labels must have one dimension less than the "
+            f"predictions (integer class indices); got labels of shape {tuple(target_shape)} "
+            f"and predictions of shape {tuple(output_shape)}.{hint}"
+        )
+    for a, b in zip(target_shape, output_shape[:-1]):
+        if a is not None and b is not None and a != b:
+            raise ValueError(
+                "SparseCategoricalCrossentropy: the labels' shape must match the predictions' "
+                f"without their class axis; got labels of shape {tuple(target_shape)} and "
+                f"predictions of shape {tuple(output_shape)}."
+            )
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
     """`keras.losses.SparseCategoricalCrossentropy` computed in float32.
@@ -152,8 +188,13 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
         reduction: `"sum_over_batch_size"` (default), `"sum"`, `"mean"`,
             `"mean_with_sample_weight"`, `"none"` or `None`, as in Keras.
         axis: The class axis. Defaults to `-1`.
+        label_smoothing: Keras 3.16's label smoothing (Keras' unfused computation; 0 keeps
+            the fused path). Older Keras has none: a non-zero value raises there.
         name: Name of the loss.
         dtype: Only `None` or `"float32"` (the loss always computes in float32).
+
+    Labels of the predictions' shape (one-hot) raise a `ValueError` naming
+    `kmp.losses.CategoricalCrossentropy`, as Keras' own loss refuses them.
 
     Returns:
         Calling the loss returns a float32 scalar (or per-sample float32 values with
@@ -173,10 +214,20 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
         ignore_class: int | None = None,
         reduction: str | None = "sum_over_batch_size",
         axis: int = -1,
+        label_smoothing: float = 0.0,
         name: str = "sparse_categorical_crossentropy",
         dtype=None,
     ):
         _check_dtype("SparseCategoricalCrossentropy", dtype)
+        smoothing = {}
+        if label_smoothing:  # Keras 3.16 added it; older ones take no such argument
+            if "label_smoothing" not in inspect.signature(super().__init__).parameters:
+                raise ValueError(
+                    "SparseCategoricalCrossentropy: `label_smoothing` needs Keras 3.16 or "
+                    f"later (this is Keras {keras.__version__}); use "
+                    "`kmp.losses.CategoricalCrossentropy` with one-hot labels."
+                )
+            smoothing["label_smoothing"] = label_smoothing
         super().__init__(
             from_logits=from_logits,
             ignore_class=ignore_class,
@@ -184,12 +235,29 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
             axis=axis,
             name=name,
             dtype=_FLOAT32,
+            **smoothing,
         )
+        # Keras 3.16 keeps these only in the wrapped function's arguments: kept here for
+        # every version (the fused path reads them).
+        self.from_logits = from_logits
+        self.ignore_class = ignore_class
         self.axis = axis
+        self.label_smoothing = label_smoothing
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         rank = len(getattr(y_pred, "shape", ()))
-        fused = self.from_logits and rank >= 1 and self.axis in (-1, rank - 1)
+        fused = (
+            self.from_logits
+            and not self.label_smoothing
+            and rank >= 1
+            and self.axis in (-1, rank - 1)
+        )
+        if rank >= 1 and self.axis in (-1, rank - 1):
+            target = _known_shape(y_true)
+            if target is not None:
+                if len(target) == rank and target[-1] == 1:
+                    target = target[:-1]
+                _check_sparse_shapes(target, tuple(y_pred.shape))
         if not fused:
             return super().__call__(y_true, y_pred, sample_weight=sample_weight)
         # Keras' Loss.__call__ without its float32 copy of y_pred (the fused loss up-casts
@@ -221,6 +289,12 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
     def get_config(self) -> dict:
         config = super().get_config()
         config["axis"] = self.axis  # Keras 3.15 leaves `axis` out of this config.
+        config["from_logits"] = self.from_logits
+        config["ignore_class"] = self.ignore_class
+        if self.label_smoothing:
+            config["label_smoothing"] = self.label_smoothing
+        else:
+            config.pop("label_smoothing", None)  # loadable by a Keras without it
         return config
 
 

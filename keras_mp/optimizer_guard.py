@@ -26,7 +26,8 @@ import threading
 import warnings
 
 import keras
-from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+from keras_mp.keras_internals import BaseOptimizer
 
 __all__ = ["exempt", "install", "mark", "plain_optimizer_message"]
 

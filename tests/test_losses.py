@@ -457,3 +457,44 @@ def test_tf_train_step_with_the_fused_loss_needs_no_more_tensor_memory_than_stoc
     stock, ours = (json.loads(line) for line in done.stdout.splitlines())
     assert ours["tensor_peak_mib"] <= 1.03 * stock["tensor_peak_mib"], (ours, stock)
     assert abs(ours["loss"] - stock["loss"]) < 1e-3  # same model, same first steps
+
+
+@pytest.mark.parametrize("from_logits", [True, False])
+def test_one_hot_labels_into_the_sparse_loss_name_the_rank_mismatch(from_logits):
+    """One-hot labels are refused before the fused path, with the fix named (before: "Dimensions
+    must be equal, 64 and 200" from inside TensorFlow on the fused path)."""
+    loss = losses.SparseCategoricalCrossentropy(from_logits=from_logits)
+    with pytest.raises(ValueError, match="rank|one dimension less|same shape") as info:
+        loss(ONE_HOT, LOGITS if from_logits else _softmax64(LOGITS / 20).astype("float32"))
+    if from_logits:
+        assert "CategoricalCrossentropy" in str(info.value) and "(64, 200)" in str(info.value)
+    with pytest.raises(ValueError, match=r"labels of shape \(32,\)"):
+        loss(LABELS[:32], LOGITS)  # a batch-size mismatch names both shapes too
+
+
+def test_sparse_attributes_and_config_on_every_keras():
+    """Keras 3.16 keeps `from_logits`/`ignore_class` only inside its wrapped function: ours
+    keeps them as attributes (the fused path reads them) and in the config."""
+    loss = losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=3, axis=-1)
+    assert (loss.from_logits, loss.ignore_class, loss.axis) == (True, 3, -1)
+    config = loss.get_config()
+    assert config["from_logits"] is True and config["ignore_class"] == 3
+    assert "label_smoothing" not in config  # loadable by Keras versions without it
+    again = losses.SparseCategoricalCrossentropy.from_config(config)
+    np.testing.assert_allclose(again(LABELS, LOGITS), loss(LABELS, LOGITS), rtol=1e-7)
+
+
+def test_sparse_label_smoothing_follows_keras_where_keras_has_it():
+    import inspect
+
+    stock_takes_it = "label_smoothing" in inspect.signature(
+        keras.losses.SparseCategoricalCrossentropy.__init__
+    ).parameters
+    if not stock_takes_it:
+        with pytest.raises(ValueError, match="label_smoothing.*Keras 3.16"):
+            losses.SparseCategoricalCrossentropy(from_logits=True, label_smoothing=0.1)
+        return
+    ours = losses.SparseCategoricalCrossentropy(from_logits=True, label_smoothing=0.1)
+    stock = keras.losses.SparseCategoricalCrossentropy(from_logits=True, label_smoothing=0.1)
+    np.testing.assert_allclose(ours(LABELS, LOGITS), stock(LABELS, LOGITS), rtol=1e-6)
+    assert ours.get_config()["label_smoothing"] == 0.1

@@ -24,6 +24,15 @@ model's own outputs, and those of the models a subclassed container calls from P
 float32, does not meet float16 beside float32 (the Keras mixed-precision guide's advice
 for the last layer). A model that is a node of a Functional graph is not cast: the next
 layer casts its inputs itself.
+
+Token ids are kept out of the low dtype (`keep_index_inputs`). keras.io's text classifier
+declares `Input(shape=(maxlen,))` (float32) and hands it to its own
+`TokenAndPositionEmbedding` layer; that layer casts its float inputs to its compute dtype
+before its `Embedding` sees them, so in bfloat16 every id above 256 is rounded (257 fetches
+row 256, 1999 becomes 2000 and fails). A graph node fed a float model input that holds an
+index-consuming layer (`INDEX_LAYERS`: `Embedding` and its subclasses, `CategoryEncoding`,
+`IntegerLookup`, `Hashing`) takes its inputs as they come, as those Keras layers do
+themselves (`_convert_input_args = False`); its sublayers still cast what they get.
 """
 
 from __future__ import annotations
@@ -31,9 +40,17 @@ from __future__ import annotations
 import types
 
 import keras
-from keras.src.backend import get_keras_mask, set_keras_mask
 
-__all__ = ["cast_at_boundaries", "cast_model_outputs", "casts_to"]
+from keras_mp.keras_internals import get_keras_mask, set_keras_mask
+
+__all__ = [
+    "INDEX_LAYERS",
+    "cast_at_boundaries",
+    "cast_model_outputs",
+    "casts_to",
+    "index_inputs",
+    "keep_index_inputs",
+]
 
 _ATTR = "_keras_mp_output_dtype"
 
@@ -97,7 +114,7 @@ def cast_at_boundaries(layers: list, parents: dict) -> int:
 
 
 def _graph(layer) -> bool:
-    from keras.src.models.functional import Functional
+    from keras_mp.keras_internals import Functional
 
     return isinstance(layer, (Functional, keras.Sequential))
 
@@ -128,5 +145,96 @@ def cast_model_outputs(model: keras.Model, layers: list, parents: dict, low: boo
             continue
         object.__setattr__(m, _ATTR, "float32")
         object.__setattr__(m, "call", types.MethodType(_cast_call, m))
+        count += 1
+    return count
+
+
+INDEX_LAYERS = (
+    keras.layers.Embedding,
+    keras.layers.CategoryEncoding,
+    keras.layers.IntegerLookup,
+    keras.layers.Hashing,
+)
+_KEPT = "_keras_mp_keeps_indices"
+
+
+def _index_layers(layer) -> list:
+    """The index-consuming layers in `layer`'s subtree (itself excluded)."""
+    return [x for x in layer._flatten_layers(include_self=False) if isinstance(x, INDEX_LAYERS)]
+
+
+def _fed_float_inputs(layer) -> bool:
+    """Whether a float model input (an `InputLayer`'s output) reaches `layer` directly."""
+    for node in getattr(layer, "_inbound_nodes", []):
+        for t in node.input_tensors:
+            history = getattr(t, "_keras_history", None)
+            if (
+                history is not None
+                and isinstance(history[0], keras.layers.InputLayer)
+                and keras.backend.is_float_dtype(keras.backend.standardize_dtype(t.dtype))
+            ):
+                return True
+    return False
+
+
+def index_inputs(model: keras.Model) -> dict:
+    """Which float inputs of a Functional `model` carry indices, and how many there are.
+
+    Returns:
+        `position in model.inputs -> the largest `input_dim` (or `num_tokens`) among the
+        index-consuming layers that input reaches (directly or inside a layer it feeds)`.
+        Empty for a model without a graph.
+    """
+    try:
+        inputs = list(model.inputs or [])
+    except (AttributeError, ValueError):
+        return {}
+    found = {}
+    for layer in model._flatten_layers(include_self=False):
+        targets = [layer] if isinstance(layer, INDEX_LAYERS) else _index_layers(layer)
+        sizes = [
+            n for x in targets
+            if isinstance(n := getattr(x, "input_dim", getattr(x, "num_tokens", None)), int)
+        ]
+        if not sizes:
+            continue
+        for node in getattr(layer, "_inbound_nodes", []):
+            for t in node.input_tensors:
+                for i, spec in enumerate(inputs):
+                    if t is spec and keras.backend.is_float_dtype(
+                        keras.backend.standardize_dtype(spec.dtype)
+                    ):
+                        found[i] = max(found.get(i, 0), *sizes)
+    return found
+
+
+def keep_index_inputs(layers: list, parents: dict) -> int:
+    """Stops the input casts of the graph nodes that hand float model inputs to an
+    index-consuming sublayer (or restores them where that no longer holds).
+
+    Args:
+        layers, parents: `keep_list.layer_tree(model)`.
+
+    Returns:
+        How many layers take their inputs uncast.
+    """
+    count = 0
+    for layer in layers:
+        if vars(layer).get(_KEPT):
+            object.__setattr__(layer, "_convert_input_args", True)
+            object.__delattr__(layer, _KEPT)
+        parent = parents.get(id(layer))
+        if parent is None or not _graph(parent) or isinstance(layer, INDEX_LAYERS):
+            continue
+        if not getattr(layer, "_convert_input_args", False):
+            continue  # Keras' own preprocessing layers, a nested Functional model
+        if not keras.backend.is_float_dtype(layer.compute_dtype) or layer.compute_dtype == (
+            "float32"
+        ):
+            continue
+        if not _index_layers(layer) or not _fed_float_inputs(layer):
+            continue
+        object.__setattr__(layer, "_convert_input_args", False)
+        object.__setattr__(layer, _KEPT, True)
         count += 1
     return count

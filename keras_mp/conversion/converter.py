@@ -18,7 +18,6 @@ import warnings
 from typing import Any
 
 import keras
-from keras.src.utils.tracking import DotNotTrackScope
 
 import keras_mp.keep_list as keep_list
 import keras_mp.optimizer_guard as optimizer_guard
@@ -26,6 +25,7 @@ from keras_mp.conversion import calibration
 from keras_mp.conversion import runcheck as _runcheck
 from keras_mp.conversion.boundary import cast_at_boundaries, cast_model_outputs
 from keras_mp.conversion.model_copy import copy_model, pair_layers, recast_variables
+from keras_mp.keras_internals import DotNotTrackScope
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
 
 __all__ = ["apply_plan", "convert", "plan"]
@@ -381,7 +381,7 @@ def _compile_like(model: keras.Model, new: keras.Model) -> None:
     config = model.get_compile_config() if model.compiled else None
     if config is None:
         return
-    from keras.src.trainers.trainer import Trainer
+    from keras_mp.keras_internals import Trainer
 
     Trainer.compile(new, **keras.saving.deserialize_keras_object(config))
 

@@ -18,11 +18,14 @@ import types
 
 import keras
 import numpy as np
-from keras.src.ops.function import Function, map_graph
-from keras.src.saving.keras_saveable import KerasSaveable
-from keras.src.utils.backend_utils import DynamicBackend
-from keras.src.utils.tracking import DotNotTrackScope
 
+from keras_mp.keras_internals import (
+    DotNotTrackScope,
+    DynamicBackend,
+    Function,
+    KerasSaveable,
+    map_graph,
+)
 from keras_mp.recast import float32_statistics, own_variables, recast_variables
 
 __all__ = ["copy_model", "float32_statistics", "pair_layers", "pair_variables", "recast_variables"]

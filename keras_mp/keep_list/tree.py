@@ -4,8 +4,8 @@ graph nodes or produce the model's outputs. Nothing here imports the rest of ker
 from __future__ import annotations
 
 import keras
-from keras.src.models.functional import Functional
-from keras.src.models.sequential import Sequential
+
+from keras_mp.keras_internals import Functional, Sequential
 
 __all__ = [
     "addresses",

@@ -32,9 +32,8 @@ import functools
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend.common import global_state
-from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+from keras_mp.keras_internals import BaseOptimizer, global_state
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import sharding as lean_sharding
 from keras_mp.lean.rule import is_sparse, noise_seed, read, variable_seed

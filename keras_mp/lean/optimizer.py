@@ -20,9 +20,9 @@ import os
 
 import keras
 from keras import ops
-from keras.src.utils import tracking
 
 import keras_mp.optimizer_guard as optimizer_guard
+from keras_mp.keras_internals import no_automatic_dependency_tracking
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import general as lean_general
 from keras_mp.lean import int4, packed_step, packing
@@ -308,7 +308,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             )
         return fmt, codes, scales
 
-    @tracking.no_automatic_dependency_tracking
+    @no_automatic_dependency_tracking
     def build(self, var_list):
         if self.built:
             return
@@ -680,32 +680,46 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         config.update({"optimizer": self.kind, **{k: getattr(self, k) for k in inner}, **own})
         return config
 
+    def plain_optimizer(self) -> keras.optimizers.Optimizer:
+        """A new Keras optimizer with this one's settings, for float32 weights (a lean
+        model converted to a mixed or float32 policy): Adam, AdamW, SGD or the optimizer
+        the general path runs. Its state starts afresh.
+
+        Returns:
+            A `keras.optimizers.Optimizer`.
+        """
+        return _split_config(self.get_config())[0]
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        own = {
-            k: config.pop(k)
-            for k in (
-                "rounding",
-                "moments",
-                "block_size",
-                "min_quantized_size",
-                "shard_over_data",
-                "pack_small",
-                "name",
-            )
-            if k in config
-        }
-        # files written before pack_small existed hold one state per variable
-        own.setdefault("pack_small", False)
-        kind = config.pop("optimizer")
-        if isinstance(kind, dict):  # the general path: the optimizer's own config
-            inner = keras.optimizers.deserialize(kind, custom_objects=custom_objects)
-            return cls(inner, **own)
-        rate = config.get("learning_rate")
-        if isinstance(rate, dict):
-            config["learning_rate"] = keras.saving.deserialize_keras_object(
-                rate, custom_objects=custom_objects
-            )
-        inner = _BY_NAME[kind](**config)
+        inner, own = _split_config(config, custom_objects)
         return cls(inner, **own)
+
+
+def _split_config(config: dict, custom_objects=None) -> tuple:
+    """`(inner optimizer, LeanOptimizer's own arguments)` from a `get_config()`."""
+    config = dict(config)
+    own = {
+        k: config.pop(k)
+        for k in (
+            "rounding",
+            "moments",
+            "block_size",
+            "min_quantized_size",
+            "shard_over_data",
+            "pack_small",
+            "name",
+        )
+        if k in config
+    }
+    # files written before pack_small existed hold one state per variable
+    own.setdefault("pack_small", False)
+    kind = config.pop("optimizer")
+    if isinstance(kind, dict):  # the general path: the optimizer's own config
+        return keras.optimizers.deserialize(kind, custom_objects=custom_objects), own
+    rate = config.get("learning_rate")
+    if isinstance(rate, dict):
+        config["learning_rate"] = keras.saving.deserialize_keras_object(
+            rate, custom_objects=custom_objects
+        )
+    return _BY_NAME[kind](**config), own

@@ -202,7 +202,7 @@ def export_saved_model(
         raise ValueError(
             f"export_saved_model: model {model.name!r} is not built; call it on data first."
         )
-    from keras.src.export.export_utils import get_input_signature, make_input_spec
+    from keras_mp.keras_internals import get_input_signature, make_input_spec
 
     if input_signature is None:
         input_signature = get_input_signature(model)

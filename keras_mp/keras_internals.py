@@ -1,0 +1,183 @@
+"""Keras' private API (`keras.src.*`), reached from this one module.
+
+Keras moves its internals between releases (3.16: `Trainer` became `BaseTrainer`, the mask
+helpers left `keras.src.backend`, JAX's `nn` moved under `backend.jax.ops`). Every other
+keras_mp module imports what it needs of them from here, so the next move is a change to
+this file alone: each name is looked up where the newest Keras keeps it, then where the
+older ones did.
+
+The names are found when this module is imported (Keras has imported their modules by
+then), except JAX's `nn`, found by `jax_nn()` where it is used (it imports JAX).
+
+`check_version()` (called by `import keras_mp`) refuses a Keras outside the supported range
+with one clear line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+import keras
+
+__all__ = [
+    "SUPPORTED_KERAS",
+    "BaseOptimizer",
+    "DotNotTrackScope",
+    "DynamicBackend",
+    "Function",
+    "Functional",
+    "KerasSaveable",
+    "Sequential",
+    "StatelessScope",
+    "Trainer",
+    "check_version",
+    "get_input_signature",
+    "get_keras_mask",
+    "global_state",
+    "in_stateless_scope",
+    "jax_nn",
+    "keras_version",
+    "make_input_spec",
+    "map_graph",
+    "no_automatic_dependency_tracking",
+    "reduce_weighted_values",
+    "set_keras_mask",
+]
+
+# The Keras versions keras_mp is tested on: [oldest, first unsupported). Keep setup.cfg's
+# `keras>=...,<...` and the README's "Supported Keras" line in step with it.
+SUPPORTED_KERAS = ((3, 12), (3, 17))
+
+# name -> where to find it, newest Keras first: "module:attribute" (attribute empty: the
+# module itself).
+_PLACES: dict[str, tuple[str, ...]] = {
+    # 3.16: the backend-neutral trainer is `BaseTrainer`; `compile` is defined on it.
+    "Trainer": ("keras.src.trainers.trainer:BaseTrainer", "keras.src.trainers.trainer:Trainer"),
+    "BaseOptimizer": ("keras.src.optimizers.base_optimizer:BaseOptimizer",),
+    "Functional": ("keras.src.models.functional:Functional",),
+    "Sequential": ("keras.src.models.sequential:Sequential",),
+    "DotNotTrackScope": ("keras.src.utils.tracking:DotNotTrackScope",),
+    "no_automatic_dependency_tracking": (
+        "keras.src.utils.tracking:no_automatic_dependency_tracking",
+    ),
+    "Function": ("keras.src.ops.function:Function",),
+    "map_graph": ("keras.src.ops.function:map_graph",),
+    "KerasSaveable": ("keras.src.saving.keras_saveable:KerasSaveable",),
+    "DynamicBackend": ("keras.src.utils.backend_utils:DynamicBackend",),
+    # 3.16: no longer re-exported by `keras.src.backend`.
+    "get_keras_mask": (
+        "keras.src.backend.common.masking:get_keras_mask",
+        "keras.src.backend:get_keras_mask",
+    ),
+    "set_keras_mask": (
+        "keras.src.backend.common.masking:set_keras_mask",
+        "keras.src.backend:set_keras_mask",
+    ),
+    "reduce_weighted_values": ("keras.src.losses.loss:reduce_weighted_values",),
+    "global_state": ("keras.src.backend.common.global_state:",),
+    "StatelessScope": ("keras.src.backend.common.stateless_scope:StatelessScope",),
+    "in_stateless_scope": ("keras.src.backend.common.stateless_scope:in_stateless_scope",),
+    # 3.16 (keras PR 23642): `backend.jax.nn` moved to `backend.jax.ops.nn`.
+    "jax_nn": ("keras.src.backend.jax.ops.nn:", "keras.src.backend.jax.nn:"),
+    "get_input_signature": ("keras.src.export.export_utils:get_input_signature",),
+    "make_input_spec": ("keras.src.export.export_utils:make_input_spec",),
+}
+
+
+def _find(name: str) -> Any:
+    tried = []
+    for place in _PLACES[name]:
+        module_name, _, attribute = place.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            tried.append(module_name)
+            continue
+        if not attribute:
+            return module
+        if hasattr(module, attribute):
+            return getattr(module, attribute)
+        tried.append(place)
+    raise ImportError(
+        f"keras_mp needs Keras' internal `{name}`, which Keras {keras.__version__} keeps in "
+        f"none of the places keras_mp knows ({', '.join(tried)}). keras_mp supports Keras "
+        f'{_range()}: install one of those (`pip install "keras{_specifier()}"`).'
+    )
+
+
+def jax_nn() -> Any:
+    """Keras' JAX `nn` backend module (imports JAX)."""
+    return _find("jax_nn")
+
+
+def keras_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of the installed Keras, or of `version`."""
+    parts = (version or keras.__version__).split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def _range() -> str:
+    (a, b), (c, d) = SUPPORTED_KERAS
+    return f"{a}.{b} to {c}.{d - 1}"
+
+
+def _specifier() -> str:
+    (a, b), (c, d) = SUPPORTED_KERAS
+    return f">={a}.{b},<{c}.{d}"
+
+
+def check_version(version: str | None = None) -> None:
+    """Checks the Keras version against `SUPPORTED_KERAS` (called when keras_mp imports).
+
+    A Keras older than the oldest supported raises an `ImportError` of one line naming the
+    install command; a newer, untested one warns once (keras_mp goes on: each internal it
+    cannot find then raises naming itself and the supported range).
+
+    Args:
+        version: a Keras version string (default: the installed one).
+    """
+    found = version or keras.__version__
+    oldest, first_unsupported = SUPPORTED_KERAS
+    v = keras_version(found)
+    advice = f'pip install "keras{_specifier()}"'
+    if v < oldest:
+        raise ImportError(
+            f"keras_mp {_range_note()} supports Keras {_range()}; this is Keras {found}, "
+            f"which it cannot run on. Install a supported one: {advice}"
+        )
+    if v >= first_unsupported:
+        warnings.warn(
+            f"keras_mp {_range_note()} is tested on Keras {_range()}; this is Keras {found}. "
+            f"If something fails, install a tested one: {advice}",
+            stacklevel=2,
+        )
+
+
+def _range_note() -> str:
+    from keras_mp.version import __version__
+
+    return __version__
+
+
+check_version()  # before any internal is looked up
+
+Trainer = _find("Trainer")
+BaseOptimizer = _find("BaseOptimizer")
+Functional = _find("Functional")
+Sequential = _find("Sequential")
+DotNotTrackScope = _find("DotNotTrackScope")
+no_automatic_dependency_tracking = _find("no_automatic_dependency_tracking")
+Function = _find("Function")
+map_graph = _find("map_graph")
+KerasSaveable = _find("KerasSaveable")
+DynamicBackend = _find("DynamicBackend")
+get_keras_mask = _find("get_keras_mask")
+set_keras_mask = _find("set_keras_mask")
+reduce_weighted_values = _find("reduce_weighted_values")
+global_state = _find("global_state")
+StatelessScope = _find("StatelessScope")
+in_stateless_scope = _find("in_stateless_scope")
+get_input_signature = _find("get_input_signature")
+make_input_spec = _find("make_input_spec")
