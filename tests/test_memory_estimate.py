@@ -41,7 +41,8 @@ def test_estimate_memory_orders_the_policies_and_sizes_the_state():
     params = model.count_params()
     assert f32.weights_bytes == 4 * params  # float32 weights
     assert lean.weights_bytes == 2 * params  # bfloat16 weights (the norm's too)
-    assert 8 * params <= f32.optimizer_bytes < 8 * params + 64  # AdamW's two moments
+    # AdamW's two moments, and a few scalars: its own and the skip-only scaler's counters
+    assert 8 * params <= f32.optimizer_bytes < 8 * params + 128
     # the default lean state: 4-bit moments, no compensation (27,296 against 200,456)
     assert lean.optimizer_bytes < 0.15 * f32.optimizer_bytes
     for row in report.rows:
