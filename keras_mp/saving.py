@@ -1,4 +1,4 @@
-"""Loading `.keras` files and weights with clear errors and no half-restored state.
+"""Atomic saving; loading `.keras` files and weights with clear errors, no half-restored state.
 
 Plain `keras.models.load_model` reports a truncated archive as "File not found" and
 an unknown registered class as "<Model> could not be deserialized properly" (the
@@ -6,7 +6,9 @@ real cause hidden in the exception context). Plain `model.load_weights` assigns
 variables one object at a time: a file that fails part-way (a corrupt HDF5 group) or
 whose optimizer does not match (Keras only warns) leaves the model restored and the
 optimizer not, or half of the model restored. These two functions check first, name
-the problem, and undo a failed load.
+the problem, and undo a failed load. `save_model` and `save_weights` (from
+`keras_mp/atomic.py`) write through a temporary file and `os.replace`: a process killed
+mid-save leaves the previous file whole.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 import keras
 from keras import ops
 
-__all__ = ["load_model", "load_weights", "reapply_plan"]
+from keras_mp.atomic import save_model, save_weights
+
+__all__ = ["load_model", "load_weights", "reapply_plan", "save_model", "save_weights"]
 
 _SKIPPED = "Skipping variable loading for optimizer"
 

@@ -26,6 +26,7 @@ import keras
 import numpy as np
 
 from keras_mp.conversion.probe import first_nonfinite_layer
+from keras_mp.observe.checkpoint import ModelCheckpoint  # `kmp.callbacks.ModelCheckpoint`
 from keras_mp.observe.telemetry import (
     ScalarWriter,
     StepCounter,
@@ -41,6 +42,7 @@ __all__ = [
     "CollapseGuard",
     "LossScaleCollapseError",
     "LossScaleMonitor",
+    "ModelCheckpoint",
     "recalibration_hint",
     "NonFiniteGuard",
 ]
