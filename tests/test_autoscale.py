@@ -62,18 +62,21 @@ def test_explicit_stock_scaler_is_kept_with_a_warning():
         kmp.convert(converted, "mixed_float16")  # convert says so too
 
 
-def test_plain_keras_policy_auto_scale_off_and_bfloat16_are_left_alone():
-    keras.config.set_dtype_policy("mixed_float16")  # no keras_mp policy in sight
+def test_keras_spelling_is_treated_as_keras_mp_and_auto_scale_off_is_left_alone():
+    keras.config.set_dtype_policy("mixed_float16")  # Keras' own spelling (issue 47.1)
     plain = _model()
     plain.compile(optimizer="adam", loss="mse")
-    assert type(plain.optimizer) is keras.optimizers.LossScaleOptimizer  # Keras' own
+    assert type(plain.optimizer) is kmp.LossScaleOptimizer  # not Keras' unbounded one
+    assert type(plain.optimizer.inner_optimizer) is keras.optimizers.Adam
     converted = kmp.convert(_model("n"), "mixed_float16")
     converted.compile(optimizer="adam", loss="mse", auto_scale_loss=False)
     assert type(converted.optimizer) is keras.optimizers.Adam
     keras.config.set_dtype_policy("float32")
     bf16 = kmp.convert(_model("o"), "mixed_bfloat16")
     bf16.compile(optimizer="adam", loss="mse")
-    assert type(bf16.optimizer) is keras.optimizers.Adam  # bfloat16 needs no scaling
+    assert type(bf16.optimizer) is kmp.LossScaleOptimizer  # skips, scales nothing
+    assert bf16.optimizer.skip_only
+    assert type(bf16.optimizer.inner_optimizer) is keras.optimizers.Adam
 
 
 @pytest.mark.tf_only

@@ -81,14 +81,19 @@ def test_collapse_guard_stops_within_patience_and_names_the_variable(kind):
     x, y = _data()
     monitor, guard = LossScaleMonitor(), CollapseGuard(patience=3)
     history = model.fit(x, y, batch_size=8, epochs=20, verbose=0, callbacks=[monitor, guard])
-    # Every step overflows: the scale halves 16 -> 1 (the floor) in 4 steps, then sits at
-    # the floor for checks 4, 5, 6: the guard stops at step 6, one step per epoch. Stock
-    # Keras has no floor (its scale keeps halving); the guard's floor is then 1.
-    tail = [1.0, 1.0] if kind == "keras_mp" else [0.5, 0.25]
-    assert history.history["loss_scale"] == [8.0, 4.0, 2.0, 1.0, *tail]
-    assert history.history["skipped_steps"] == [1, 2, 3, 4, 5, 6]
-    assert history.history["overflow_rate"] == [1.0] * 6
-    assert guard.stopped_step == 6 and model.stop_training
+    # Every step overflows: keras_mp's scale, never having held, backs off 1, 2, 3
+    # halvings, 16 -> 8 -> 2 -> 1 (the floor), then sits at the floor for checks 3, 4, 5:
+    # the guard stops at step 5, one step per epoch. Stock Keras halves once per step and
+    # has no floor (the guard's floor is then 1): 16 -> 1 in 4 steps, stop at step 6.
+    if kind == "keras_mp":
+        scales, steps = [8.0, 2.0, 1.0, 1.0, 1.0], 5
+    else:
+        scales, steps = [8.0, 4.0, 2.0, 1.0, 0.5, 0.25], 6
+    tail = scales[-1:]
+    assert history.history["loss_scale"] == scales
+    assert history.history["skipped_steps"] == list(range(1, steps + 1))
+    assert history.history["overflow_rate"] == [1.0] * steps
+    assert guard.stopped_step == steps and model.stop_training
     assert f"at its floor ({tail[-1]:g} <= 1) for 3 consecutive checks" in guard.diagnosis
     if kind == "keras_mp":
         assert "non-finite in the last overflow for: sqrt_gain/gain." in guard.diagnosis
@@ -104,7 +109,7 @@ def test_collapse_guard_skip_rate_raises_with_the_variable_names():
     with pytest.raises(kmp.LossScaleCollapseError, match="sqrt_gain/gain") as info:
         model.fit(x, y, batch_size=8, epochs=10, verbose=0, callbacks=[guard])
     assert "100% of the last 4 steps were skipped" in str(info.value)
-    assert "loss scale now 2048" in str(info.value)  # 2**15 halved 4 times
+    assert "loss scale now 32" in str(info.value)  # 2**15 halved 1 + 2 + 3 + 4 times
     assert guard.stopped_step == 4
 
 
@@ -155,7 +160,7 @@ def test_nonfinite_guard_names_the_layer_above_fp16_max():
     assert "calibrate=[..., batch]" in guard.diagnosis
     # Both steps were skipped by the scaler: no weight moved, the scale backed off twice.
     assert int(opt.iterations.numpy()) == 0 and int(opt.skipped_steps.numpy()) == 2
-    assert float(opt.dynamic_scale.numpy()) == 2.0**13  # 2**15 halved twice
+    assert float(opt.dynamic_scale.numpy()) == 2.0**12  # 2**15 halved once, then twice
 
 
 def test_nonfinite_guard_without_loss_scaler_reports_corrupted_weights():
@@ -224,13 +229,29 @@ def test_bad_arguments_and_configs():
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "float32"])
-def test_scale_callbacks_stand_aside_where_no_loss_scaling_is_needed(policy, caplog):
-    # Users switch precision with one flag and keep their callbacks: under a policy that
-    # needs no loss scaling the scale callbacks add nothing, say why once, and never fail.
+def test_scale_callbacks_count_skips_where_no_loss_scaling_is_needed(policy, caplog):
+    # Users switch precision with one flag and keep their callbacks: under a keras_mp
+    # policy that needs no loss scaling, compile gives a fixed scale of 1 that only skips
+    # non-finite steps, and the callbacks log its count like float16's.
+    kmp.set_global_policy(policy)
+    x, y = _data()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    assert model.optimizer.skip_only
+    callbacks = [LossScaleMonitor(), CollapseGuard(action="raise", patience=1), NonFiniteGuard()]
+    history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=callbacks)
+    assert history.history["loss_scale"] == [1.0, 1.0]
+    assert history.history["skipped_steps"] == [0, 0]
+    assert history.history["loss"][1] < history.history["loss"][0]
+    assert callbacks[0].idle_reason is None and callbacks[1].diagnosis is None
+
+
+def test_scale_callbacks_stand_aside_where_nothing_counts_skips(caplog):
+    # A plain Keras float32 model (no keras_mp policy in sight) keeps its optimizer: the
+    # scale callbacks add nothing, say why once, and never fail.
     from keras_mp.observe import telemetry as _telemetry
 
     _telemetry._said.clear()
-    kmp.set_global_policy(policy)
     x, y = _data()
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(4)])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -243,9 +264,8 @@ def test_scale_callbacks_stand_aside_where_no_loss_scaling_is_needed(policy, cap
         assert set(history.history) == {"loss"}
         assert np.all(np.isfinite(history.history["loss"]))
     assert first.history["loss"][1] < first.history["loss"][0]
-    compute = "bfloat16" if policy == "mixed_bfloat16" else "float32"
     for callback in callbacks[:2]:
-        assert f"computes in {compute}" in callback.idle_reason
+        assert "computes in float32" in callback.idle_reason
         assert "does nothing in this fit" in callback.idle_reason
     assert callbacks[0].history == {"step": [], "loss_scale": [], "skipped_steps": []}
     said = [r.getMessage() for r in caplog.records if "does nothing in this fit" in r.getMessage()]

@@ -191,8 +191,10 @@ def test_lean_state_bytes():
     assert kmp.state_bytes(mixed).per_parameter >= 12.0
     n = lean.parameters
     assert n == 16 * 128 + 128 + 128 * 3 + 3
-    opt = model.optimizer  # its step counter: int64 on TensorFlow, int32 on JAX; the rate
-    counters = sum(np.dtype(v.dtype).itemsize for v in (opt.iterations, opt._learning_rate))
+    opt = model.optimizer  # its step counter: int64 on TensorFlow, int32 on JAX; the rate;
+    counters = sum(  # the skipped steps' counter
+        np.dtype(v.dtype).itemsize for v in (opt.iterations, opt._learning_rate, opt.skipped_steps)
+    )
     # the default: bfloat16 weights, no compensation, 4-bit moments (two codes a byte and
     # a float32 scale per 128 values; the 3-value bias keeps float32 moments)
     assert lean.weights == 2 * n and lean.compensation == 0

@@ -332,14 +332,15 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
         the_plan = _translate(the_plan, model, new)
     apply_plan(new, the_plan, _runcheck.alone(policy_map(policy, the_plan, new), the_plan, new))
     _save_the_dtype(new)
-    if not policy.has_master_weights:
-        recast_variables(new, trainable_only=policy.is_lean)
+    # Every weight to its layer's variable dtype: low under a pure policy, and float32
+    # master weights where the source stored bfloat16 ones (a lean model: exact).
+    recast_variables(new, trainable_only=policy.is_lean)
     if policy.name == "float8":
         from keras_mp.float8 import apply_float8
 
         apply_float8(new, policy.float8_recipe)  # the output layers stay bfloat16
     optimizer_guard.mark(new, policy)  # a plain optimizer on these weights warns
-    _compile_like(model, new)
+    _compile_like(model, new, policy)
     new.precision_plan = the_plan
     return new
 
@@ -374,7 +375,7 @@ def _save_the_dtype(model: keras.Model) -> None:
             object.__setattr__(m, "get_config", types.MethodType(_config_with_dtype, m))
 
 
-def _compile_like(model: keras.Model, new: keras.Model) -> None:
+def _compile_like(model: keras.Model, new: keras.Model, policy: Policy) -> None:
     """Compiles `new` as `model` was, with fresh optimizer state. `Trainer.compile` is
     called directly: Keras' `compile_from_config` gives up on classes that override
     `compile` (every keras_hub task), though what they recorded are its arguments."""
@@ -382,8 +383,14 @@ def _compile_like(model: keras.Model, new: keras.Model) -> None:
     if config is None:
         return
     from keras_mp.keras_internals import Trainer
+    from keras_mp.lean import LeanOptimizer
 
-    Trainer.compile(new, **keras.saving.deserialize_keras_object(config))
+    config = keras.saving.deserialize_keras_object(config)
+    if isinstance(config.get("optimizer"), LeanOptimizer) and not policy.is_lean:
+        # a lean model converted to float32 weights: its plain optimizer, which the
+        # policy's own wrapping (`keras_mp.autoscale`) then gets
+        config["optimizer"] = config["optimizer"].plain_optimizer()
+    Trainer.compile(new, **config)
 
 
 def _calibrated(model, policy: Policy, data, margin, max_batches, loss=None) -> tuple:

@@ -22,6 +22,7 @@ import keras
 from keras import ops
 
 import keras_mp.optimizer_guard as optimizer_guard
+from keras_mp.grad_finite import is_sparse, per_variable_finite
 from keras_mp.keras_internals import no_automatic_dependency_tracking
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import general as lean_general
@@ -118,7 +119,9 @@ class LeanOptimizer(keras.optimizers.Optimizer):
       bfloat16 lost in an int8 compensation buffer (about 16 significant bits in all; 3
       bytes); `"kahan16"` keeps a bfloat16 buffer instead (4 bytes).
     - a float32 weight (a layer the keep-list pins) is updated exactly.
-    - a gradient with an inf or NaN leaves its weight and moments as they were.
+    - a step with an inf or NaN in any gradient leaves every weight and moment as they
+      were, and is counted in the `skipped_steps` variable (`kmp.callbacks.LossScaleMonitor`
+      logs it, as it logs float16's skipped steps).
     - the moments are stored as `moments="int4"` (the default: block-wise 4-bit codes,
       two a byte, with a float32 scale per `block_size` values; about 1.06 bytes a
       parameter for Adam's two moments), `"int8"` (8-bit codes: 2 bytes),
@@ -205,7 +208,9 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 )
         rate = inner_optimizer._learning_rate
         if isinstance(rate, keras.Variable):
-            rate = float(ops.convert_to_numpy(rate))
+            from keras_mp.recast import host_value  # NumPy 2 warns on np.array(tf.Variable)
+
+            rate = float(host_value(rate))
         base = {a: getattr(inner_optimizer, a) for a in _BASE_ARGS}
         super().__init__(learning_rate=rate, name=name or f"lean_{kind}", **base, **kwargs)
         self.kind = kind
@@ -361,6 +366,10 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 offset += size
         if self._general is not None:
             self._general.build(self, var_list)
+        # Last, so files saved before it existed load (`load_own_variables`).
+        self.skipped_steps = self.add_variable(
+            (), dtype="int32", name="skipped_steps", aggregation="only_first_replica"
+        )
 
     def _small_static(self, variable):
         """The `Static` of a variable whose state a packed group keeps (`pack_small`: under
@@ -438,7 +447,15 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         """Applies one step; gradients are taken to float32 first (clipping included)."""
         grads = [None if g is None else to_float32(g) for g in grads]
-        return super().apply(grads, trainable_variables)
+        # One inf or NaN anywhere skips the whole step, as float16's scaler does: every
+        # gradient is then made NaN, so each variable's update keeps its weight and
+        # moments (a select XLA fuses into the update; a finite step passes through).
+        finite = ops.all(per_variable_finite(grads))
+        grads = [None if g is None else _poisoned(g, finite) for g in grads]
+        result = super().apply(grads, trainable_variables)
+        # counted as float16's skipped steps are (`LossScaleMonitor`, `Telemetry`)
+        self.skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
+        return result
 
     def _apply_weight_decay(self, variables):
         return  # decoupled decay is part of update_step, in float32
@@ -623,6 +640,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         warning: a file whose optimizer holds a different number of variables (its small
         variables' state packed or not: `pack_small`, the distribution it was built under)."""
         saved = len(store.keys())
+        if saved and self.built and saved == len(self.variables) - 1:
+            # written before the skip counter (the last variable) existed: it starts at 0
+            for i, variable in enumerate(self.variables[:-1]):
+                variable.assign(store[str(i)])
+            return
         if saved and self.built and saved != len(self.variables):
             raise ValueError(
                 f"LeanOptimizer {self.name!r}: the file's optimizer state has {saved} "
@@ -694,6 +716,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     def from_config(cls, config, custom_objects=None):
         inner, own = _split_config(config, custom_objects)
         return cls(inner, **own)
+
+
+def _poisoned(g, finite):
+    """`g` where `finite`, else NaN (a sparse gradient's values likewise)."""
+    nan = ops.full((), float("nan"), "float32")
+    if is_sparse(g):
+        return type(g)(ops.where(finite, g.values, nan), g.indices, g.dense_shape)
+    return ops.where(finite, g, nan)
 
 
 def _split_config(config: dict, custom_objects=None) -> tuple:

@@ -32,8 +32,9 @@ from keras_mp.observe.telemetry import (
     StepCounter,
     Telemetry,
     choice,
+    counting_optimizer,
     has_tensorboard,
-    loss_scale_optimizer,
+    nonfinite_weights,
     positive_int,
     unscaled_reason,
 )
@@ -331,7 +332,8 @@ class CollapseGuard(keras.callbacks.Callback):
         if step % self.check_every:
             return
         scale, skipped = self._telemetry.scale(), self._counter.skipped()
-        self._at_floor = self._at_floor + 1 if scale <= self._floor * (1 + 1e-6) else 0
+        at_floor = self._telemetry.dynamic and scale <= self._floor * (1 + 1e-6)
+        self._at_floor = self._at_floor + 1 if at_floor else 0
         checks = self._checks
         checks.append((step, skipped))
         while len(checks) > 2 and step - checks[1][0] >= self.window:
@@ -400,6 +402,12 @@ class NonFiniteGuard(keras.callbacks.Callback):
     The guard fires after `patience` consecutive bad steps, or at once when a bad step
     happens with the scale already at its floor (it cannot back off further).
 
+    It also checks the weights themselves (at each epoch's end, and every
+    `check_weights_every` steps when set): a non-finite step that reached them (an
+    optimizer that does not skip: stock Keras, `auto_scale_loss=False`, a custom loop)
+    leaves the loss finite where ReLU maps NaN to 0, yet every later step is wasted. The
+    guard then fires at once, naming the variables.
+
     Keras does not hand the training batch to callbacks, so the diagnosis runs the model
     layer by layer on `diagnose_data` (a batch `x` or `(x, y)` you supply, e.g. the first
     training batch) and names the first layer, in execution order, whose output is
@@ -412,6 +420,9 @@ class NonFiniteGuard(keras.callbacks.Callback):
         diagnose_data: `x` or `(x, y)` used to locate the overflowing layer.
         action: `"stop"` (set `model.stop_training` and log) or `"raise"`
             (`FloatingPointError`).
+        check_weights_every: also check the weights every this many steps (one
+            finiteness reduction per variable and one small transfer); None (default):
+            at each epoch's end only.
 
     Example:
 
@@ -421,31 +432,67 @@ class NonFiniteGuard(keras.callbacks.Callback):
     'dense_1'
     """
 
-    def __init__(self, patience: int = 3, diagnose_data: Any = None, action: str = "stop"):
+    def __init__(
+        self,
+        patience: int = 3,
+        diagnose_data: Any = None,
+        action: str = "stop",
+        check_weights_every: int | None = None,
+    ):
         super().__init__()
         self.patience = positive_int("NonFiniteGuard", "patience", patience)
         self.diagnose_data = diagnose_data
         self.action = choice("NonFiniteGuard", "action", action, ("stop", "raise"))
+        self.check_weights_every = (
+            None
+            if check_weights_every is None
+            else positive_int("NonFiniteGuard", "check_weights_every", check_weights_every)
+        )
         self.diagnosis: str | None = None
         self.culprit: str | None = None
         self.stopped_step: int | None = None
 
     def on_train_begin(self, logs=None):
-        opt = loss_scale_optimizer(self._model)
+        opt = counting_optimizer(self._model)
         self._telemetry = None if opt is None else Telemetry(self._model, "NonFiniteGuard")
         self._steps = 0
         self._bad = 0
+        self._skipped_seen = 0
+        if self._telemetry is not None and self._telemetry.has_counter:
+            self._skipped_seen = self._telemetry.skipped()
         self.diagnosis = self.culprit = self.stopped_step = None
 
     def _this_step_skipped(self) -> bool:
         t = self._telemetry
         if t is None or not t.has_counter:
             return True  # a non-finite loss gives non-finite gradients: the step is skipped
+        if t.lean:  # a counter only: did it move since the last look?
+            skipped = t.skipped()
+            moved, self._skipped_seen = skipped > self._skipped_seen, skipped
+            return moved
         last = int(t.reader.read(t.optimizer.last_overflow_step))
         return last == t.applied() + t.skipped() - 1
 
+    def _check_weights(self) -> bool:
+        bad = nonfinite_weights(self._model)
+        if bad:
+            self._fire(
+                f"{len(bad)} weight variable(s) hold inf or NaN ({', '.join(bad[:5])}"
+                + (", ..." if len(bad) > 5 else "")
+                + ")",
+                what="Non-finite weights",
+            )
+        return bool(bad)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.stopped_step is None:
+            self._check_weights()
+
     def on_train_batch_end(self, batch, logs=None):
         self._steps += 1
+        every = self.check_weights_every
+        if every and self._steps % every == 0 and self._check_weights():
+            return
         loss = (logs or {}).get("loss")
         # The logged loss is the epoch's running mean: once non-finite it stays so for the
         # epoch, so with a loss scaler a step only counts when it was itself skipped.
@@ -454,14 +501,14 @@ class NonFiniteGuard(keras.callbacks.Callback):
             return
         self._bad += 1
         t = self._telemetry
-        at_floor = t is not None and t.scale() <= t.min_scale * (1 + 1e-6)
+        at_floor = t is not None and t.dynamic and t.scale() <= t.min_scale * (1 + 1e-6)
         if self._bad >= self.patience or at_floor:
             why = f"the loss has been non-finite for {self._bad} consecutive step(s)" + (
                 " with the loss scale at its floor" if at_floor else ""
             )
             self._fire(why)
 
-    def _fire(self, why: str):
+    def _fire(self, why: str, what: str = "Non-finite loss"):
         model = self.model  # syncs the JAX state so the diagnosis sees the current weights
         self.stopped_step = self._steps
         corrupted = [
@@ -485,7 +532,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         else:
             self.culprit, where = first_nonfinite_layer(model, self.diagnose_data)
             where = f"{where} {recalibration_hint(model, self.diagnose_data)}".rstrip()
-        self.diagnosis = f"Non-finite loss at step {self._steps}: {why}. {where} {_FIX_HINT}"
+        self.diagnosis = f"{what} at step {self._steps}: {why}. {where} {_FIX_HINT}"
         if self.action == "raise":
             raise FloatingPointError(self.diagnosis)
         logger.warning("NonFiniteGuard stops training. %s", self.diagnosis)
@@ -497,4 +544,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     def get_config(self):
         # `diagnose_data` is data, not configuration: it is not serialized.
-        return {"patience": self.patience, "action": self.action}
+        return {
+            "patience": self.patience,
+            "action": self.action,
+            "check_weights_every": self.check_weights_every,
+        }

@@ -25,8 +25,10 @@ __all__ = [
     "StepCounter",
     "Telemetry",
     "choice",
+    "counting_optimizer",
     "has_tensorboard",
     "loss_scale_optimizer",
+    "nonfinite_weights",
     "positive_int",
     "unscaled_reason",
 ]
@@ -37,6 +39,40 @@ logger = logging.getLogger("keras_mp")
 def loss_scale_optimizer(model) -> keras.optimizers.LossScaleOptimizer | None:
     opt = getattr(model, "optimizer", None)
     return opt if isinstance(opt, keras.optimizers.LossScaleOptimizer) else None
+
+
+def counting_optimizer(model) -> keras.optimizers.Optimizer | None:
+    """The model's optimizer when it skips non-finite steps and keeps their count: a
+    `LossScaleOptimizer` (Keras' own derives its count) or a `kmp.LeanOptimizer`."""
+    from keras_mp.lean import LeanOptimizer
+
+    opt = getattr(model, "optimizer", None)
+    if isinstance(opt, (keras.optimizers.LossScaleOptimizer, LeanOptimizer)):
+        return opt
+    return None
+
+
+def nonfinite_weights(model) -> list[str]:
+    """Paths of the model's trainable variables holding an inf or NaN.
+
+    One finiteness reduction per variable on the device and one small transfer; on JAX
+    during `fit` the values are read from the training state (no full state sync).
+
+    Returns:
+        A list of variable paths (empty when every weight is finite).
+    """
+    variables = model.trainable_variables
+    values = None
+    state = getattr(model, "_jax_state", None)
+    if state and not getattr(model, "_jax_state_synced", True):
+        values = state.get("trainable_variables")
+    if not values or len(values) != len(variables):
+        values = [v.value for v in variables]
+    if not values:
+        return []
+    ops = keras.ops
+    flags = ops.convert_to_numpy(ops.stack([ops.all(ops.isfinite(x)) for x in values]))
+    return [v.path for v, ok in zip(variables, np.asarray(flags)) if not ok]
 
 
 _said: set = set()
@@ -55,7 +91,7 @@ def unscaled_reason(model, who: str) -> str | None:
     that watch the scale have nothing to do. The reason is logged once per process per
     callback kind and returned (so the callback can keep it).
     """
-    if loss_scale_optimizer(model) is not None:
+    if counting_optimizer(model) is not None:
         return None
     dtypes = _compute_dtypes(model)
     if "float16" in dtypes:
@@ -96,10 +132,11 @@ class StateReader:
 
 
 class Telemetry:
-    """The loss-scale quantities of a (keras_mp or stock Keras) LossScaleOptimizer."""
+    """The loss-scale quantities of a (keras_mp or stock Keras) LossScaleOptimizer, or the
+    skip counter of a `kmp.LeanOptimizer` (no scale: it reads as a static 1)."""
 
     def __init__(self, model, who: str):
-        opt = loss_scale_optimizer(model)
+        opt = counting_optimizer(model)
         if opt is None:
             name = type(getattr(model, "optimizer", None)).__name__
             raise ValueError(
@@ -112,20 +149,31 @@ class Telemetry:
             )
         self.optimizer = opt
         self.reader = StateReader(model)
+        self.lean = not isinstance(opt, keras.optimizers.LossScaleOptimizer)
         # Stock Keras has no skip counter: skips are then derived from `iterations`.
-        self.has_counter = isinstance(opt, LossScaleOptimizer)
+        self.has_counter = self.lean or isinstance(opt, LossScaleOptimizer)
         if not self.has_counter:
             from keras_mp.autoscale import stock_scaler_message
 
             warnings.warn(f"{who}: {stock_scaler_message(model)}", UserWarning, stacklevel=3)
-        self.min_scale = float(opt.min_scale) if self.has_counter else 1.0
+        keras_mp_scaler = isinstance(opt, LossScaleOptimizer)
+        self.min_scale = float(opt.min_scale) if keras_mp_scaler else 1.0
+        # A static scale (the fixed 1 of bfloat16 and float32, or lean's none) cannot
+        # collapse: only the skip rate says anything about it.
+        self.dynamic = not self.lean and (not keras_mp_scaler or opt.dynamic)
 
     def scale(self) -> float:
+        if self.lean:
+            return 1.0
         if not self.optimizer.built:  # TensorFlow builds it in the first step
             return float(self.optimizer.initial_scale)
         return float(self.reader.read(self.optimizer.dynamic_scale))
 
     def applied(self) -> int:
+        if self.lean:  # its `iterations` counts skipped steps too
+            if not self.optimizer.built:
+                return 0
+            return int(self.reader.read(self.optimizer.iterations)) - self.skipped()
         return int(self.reader.read(self.optimizer.inner_optimizer.iterations))
 
     def skipped(self) -> int | None:
