@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-__all__ = ["float32_statistics", "own_variables", "recast_variables"]
+__all__ = ["float32_statistics", "host_value", "own_variables", "recast_variables"]
 
 
 def own_variables(layer) -> list:
@@ -62,10 +62,29 @@ def float32_statistics(model: keras.Model) -> int:
     return count
 
 
+def host_value(x) -> np.ndarray:
+    """A Keras variable's value, or a tensor, as a NumPy array, without NumPy 2's warning.
+
+    `keras.ops.convert_to_numpy` calls `np.array` on TensorFlow's variables and tensors,
+    whose `__array__` takes no `copy` argument: NumPy 2 raises a DeprecationWarning, an
+    error under `python -W error`. TensorFlow's own `numpy()` copies the value without it.
+
+    Args:
+        x: a `keras.Variable`, a backend tensor, or anything `np.asarray` takes.
+
+    Returns:
+        A NumPy array (bfloat16 as `ml_dtypes.bfloat16`).
+    """
+    value = x.value if isinstance(x, keras.Variable) else x
+    if keras.backend.backend() == "tensorflow" and hasattr(value, "numpy"):
+        return np.asarray(value.numpy())
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
 def _recast(variable, want: str) -> None:
     if getattr(variable, "_value", True) is None and getattr(variable, "_initializer", None):
         variable._dtype = want  # unmaterialised (a StatelessScope without initialisation)
         return
-    value = keras.ops.cast(np.asarray(keras.ops.convert_to_numpy(variable.value)), want)
+    value = keras.ops.cast(host_value(variable), want)
     variable._dtype = want
     variable._initialize(variable._convert_to_tensor(value, dtype=want))

@@ -43,7 +43,9 @@ def unpack(data):
 
 
 def to_numpy(t) -> np.ndarray:
-    return np.asarray(keras.ops.convert_to_numpy(t))
+    from keras_mp.recast import host_value  # without NumPy 2's warning on TensorFlow
+
+    return host_value(t)
 
 
 def max_abs(arrays) -> float:
