@@ -264,6 +264,15 @@ def _float8_matmul(layer, inputs, training, contract):
     return x
 
 
+def _quantized_call(layer, stock, inputs, training):
+    """The float8 mode runs the recipe's `_float8_call`; other modes stay Keras'. Keras up to
+    3.15 dispatched to `_float8_call` itself; 3.16 runs a registered strategy instead
+    (`keras.src.quantizers.modes.float8`), which would silently replace the recipe."""
+    if layer.quantization_mode == "float8":
+        return layer._float8_call(inputs, training=training)
+    return stock(inputs, training=training)
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class Float8Dense(keras.layers.Dense):
     """`keras.layers.Dense` whose float8 mode follows the `Float8Recipe` of its policy.
@@ -275,6 +284,9 @@ class Float8Dense(keras.layers.Dense):
     def _float8_call(self, inputs, training=None):
         return _float8_matmul(self, inputs, training, ops.matmul)
 
+    def quantized_call(self, inputs, training=None):
+        return _quantized_call(self, super().quantized_call, inputs, training)
+
     def quantize(self, mode=None, type_check=True, config=None):
         return super().quantize(mode, type_check=False, config=config)
 
@@ -285,6 +297,9 @@ class Float8EinsumDense(keras.layers.EinsumDense):
 
     def _float8_call(self, inputs, training=None):
         return _float8_matmul(self, inputs, training, lambda a, b: ops.einsum(self.equation, a, b))
+
+    def quantized_call(self, inputs, training=None):
+        return _quantized_call(self, super().quantized_call, inputs, training)
 
     def quantize(self, mode=None, type_check=True, config=None):
         return super().quantize(mode, type_check=False, config=config)

@@ -23,6 +23,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _keras_hub_import_error() -> str | None:
+    """Why keras_hub does not import on this Keras (0.32 on Keras 3.16: a mask helper it
+    imports from `keras.src` moved), or None where it imports."""
+    try:
+        import keras_hub  # noqa: F401
+    except ImportError as e:
+        return f"keras_hub does not import on Keras {keras.__version__}: {e}"
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that needs keras_hub skips, naming why, where keras_hub itself cannot import;
+    any other ImportError fails as usual."""
+    try:
+        return (yield)
+    except ImportError as e:
+        tb = e.__traceback__
+        while tb is not None and "keras_hub" not in tb.tb_frame.f_code.co_filename:
+            tb = tb.tb_next
+        reason = _keras_hub_import_error() if tb is not None else None
+        if reason is None:
+            raise
+        pytest.skip(reason)
+
+
 @pytest.fixture(autouse=True)
 def _reset_keras_state():
     """Every test starts from float32, a fixed seed and a clean session."""
