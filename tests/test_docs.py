@@ -29,7 +29,8 @@ TIMEOUT_S = 300  # per page; the pages take 5-40 s each on a 2-core CPU
 
 # The two commands that set keras_mp up on a fresh machine (.ci/run runs the second).
 SETUP_COMMANDS = (
-    "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && keras-mp compare",
+    'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[tensorflow]" && '
+    "keras-mp compare",
     "python3 -m venv .venv && . .venv/bin/activate && bash scripts/test.sh",
 )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -27,6 +28,8 @@ __all__ = [
     "LOG_LEVEL_VARIABLE",
     "QUIET_ENVIRONMENT",
     "captured_stderr",
+    "check_backend_installed",
+    "configured_backend",
     "is_backend_log",
     "log_level",
     "quiet_environment",
@@ -194,6 +197,47 @@ def _list_devices(backend: str) -> None:
         jax.devices()
 
 
+def configured_backend(environ=None) -> str:
+    """The backend Keras will start, read as Keras reads it, without importing Keras:
+    `KERAS_BACKEND`, else `keras.json`'s `"backend"` (in `KERAS_HOME` or `~/.keras`),
+    else `"tensorflow"`."""
+    environ = os.environ if environ is None else environ
+    if environ.get("KERAS_BACKEND"):
+        return environ["KERAS_BACKEND"]
+    home = environ.get("KERAS_HOME")
+    if not home:
+        base = os.path.expanduser("~")
+        home = os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            return str(json.load(f).get("backend") or "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+def check_backend_installed(environ=None) -> None:
+    """Raises `ValueError` (one line: what to install, or `--backend` to pass) when the
+    backend Keras would start is not installed; nothing when Keras is already imported.
+
+    keras_mp installs no backend of its own (TensorFlow and JAX are its extras), so
+    `keras-mp compare` after `pip install keras_mp` alone would die in Keras' import.
+    """
+    if "keras" in sys.modules:
+        return
+    from keras_mp.extras import install_command, installed
+
+    environ = os.environ if environ is None else environ
+    name = configured_backend(environ)
+    if installed(name):
+        return
+    others = [b for b in ("tensorflow", "jax", "torch") if b != name and installed(b)]
+    source = "KERAS_BACKEND" if environ.get("KERAS_BACKEND") else "Keras' default"
+    message = f"the Keras backend {name!r} ({source}) is not installed: {install_command(name)}"
+    if others:
+        message += f", or use the installed {others[0]}: --backend {others[0]}"
+    raise ValueError(message)
+
+
 def start(verbose: bool = False) -> str:
     """Imports keras_mp (which registers its objects) with Keras and its backend, quietly.
 
@@ -206,7 +250,11 @@ def start(verbose: bool = False) -> str:
 
     Returns:
         The Keras backend's name.
+
+    Raises:
+        ValueError: the backend Keras would start is not installed (what to install).
     """
+    check_backend_installed()
     level = quiet_environment(verbose)
     if not verbose:
         quiet_python_loggers()

@@ -258,6 +258,9 @@ def launch_local_workers(
     import tempfile
     import time
 
+    from keras_mp.extras import require
+
+    require("tensorflow", "launch_local_workers (tf.distribute.MultiWorkerMirroredStrategy)")
     configs = local_tf_configs(num_workers)
     base = dict(os.environ if env is None else env)
     procs, logs = [], []

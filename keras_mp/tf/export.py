@@ -19,6 +19,7 @@ from typing import Any
 import keras
 from keras import ops, tree
 
+from keras_mp.extras import require
 from keras_mp.quiet import ignoring
 
 __all__ = ["export_saved_model", "float32_clone"]
@@ -188,6 +189,7 @@ def export_saved_model(
         raise ValueError(
             f"export_saved_model: invalid `compute`={compute!r}; valid choices: {list(_COMPUTE)}."
         )
+    require("tensorflow", "kmp.export_saved_model (a TensorFlow SavedModel)")
     if keras.backend.backend() != "tensorflow":
         raise ValueError(
             "export_saved_model needs the TensorFlow backend (KERAS_BACKEND=tensorflow); "
