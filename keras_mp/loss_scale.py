@@ -127,7 +127,12 @@ def update_loss_scale(
     """The loss-scaling rule: returns the state after one step.
 
     On a non-finite step the hysteresis counter drops; once it is exhausted the scale
-    is multiplied by `backoff_factor` (floored at `min_scale`). After `growth_interval`
+    is multiplied by `backoff_factor` (floored at `min_scale`). Until the first finite
+    step (every step so far skipped: the starting scale has never held), the k-th backoff
+    multiplies by `backoff_factor ** k` instead (2^15 falls to 2^14, 2^12, 2^9, 2^5,
+    2^0: 5 skipped steps instead of 15), so a loss that needs a small scale loses few
+    steps of a short run; from the first finite step on, each backoff is one factor.
+    After `growth_interval`
     consecutive finite steps the scale is multiplied by `growth_factor` (capped at
     `max_scale`) and the hysteresis is restored. With `config.dynamic=False` the scale
     never changes. The scale therefore stays finite and within `[min_scale, max_scale]`.
@@ -164,7 +169,7 @@ def update_loss_scale(
         grow = ops.logical_and(finite, good >= config.growth_interval)
         back = ops.logical_and(ops.logical_not(finite), hyst <= 0)
         grown = ops.minimum(scale * config.growth_factor, config.max_scale)
-        shrunk = ops.maximum(scale * config.backoff_factor, config.min_scale)
+        shrunk = ops.maximum(scale * _backoff(state, step, config), config.min_scale)
         scale = ops.where(grow, grown, ops.where(back, shrunk, scale))
         good = ops.where(grow, zero, good)
         hyst = ops.where(grow, ops.full((), config.hysteresis, "int32"), hyst)
@@ -183,6 +188,17 @@ def update_loss_scale(
         ),
         nonfinite_mask=mask,
     )
+
+
+def _backoff(state: LossScaleState, step: Any, config: LossScaleConfig):
+    """This backoff's factor: `backoff_factor`, or `backoff_factor ** k` for the k-th
+    backoff before the first finite step (read off the state: every step up to this one
+    was skipped, `skipped_steps == step`; no state of its own to save)."""
+    skipped = ops.cast(state.skipped_steps, "int32")
+    never_held = ops.equal(skipped, ops.cast(step, "int32"))
+    k = ops.minimum(ops.maximum(skipped - (config.hysteresis - 1), 0) + 1, 32)
+    fast = ops.power(ops.full((), config.backoff_factor, "float32"), ops.cast(k, "float32"))
+    return ops.where(never_held, fast, ops.full((), config.backoff_factor, "float32"))
 
 
 def initial_loss_scale_state(config: LossScaleConfig, num_variables: int) -> LossScaleState:

@@ -38,11 +38,14 @@ def reference_rule(cfg, flags_per_step):
                 scale = min(grown, cfg.max_scale)
                 good, hyst = 0, cfg.hysteresis
         else:
+            # Before the first finite step the k-th backoff is backoff_factor ** k.
+            k = min(max(skipped - (cfg.hysteresis - 1), 0) + 1, 32) if skipped == step else 1
+            factor = np.float32(cfg.backoff_factor) ** np.float32(k)
             good, skipped, last = 0, skipped + 1, step
             hyst = max(hyst - 1, 0)
             mask = [0 if f else 1 for f in flags]
             if cfg.dynamic and hyst <= 0:
-                shrunk = float(np.float32(scale) * np.float32(cfg.backoff_factor))
+                shrunk = float(np.float32(scale) * np.float32(factor))
                 scale = max(shrunk, cfg.min_scale)
         out.append(dict(scale=float(np.float32(scale)), good=good, hyst=hyst, skipped=skipped,
                         last=last, mask=list(mask)))
@@ -291,6 +294,19 @@ def test_keras_downscaling_and_upscaling():
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=400.0)
     v = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
     opt.build(v)
+    # Overflows before any finite step back off 1, 2, 3, 4 halvings: 400 -> 200 -> 50 ->
+    # 6.25 -> 0.39, floored at min_scale (Keras' rule: 25).
+    scales = []
+    for _ in range(4):
+        _stateful_or_stateless(opt, v, [ops.array([np.inf] * 4)])
+        scales.append(float(ops.convert_to_numpy(opt.dynamic_scale)))
+    assert scales == [200.0, 50.0, 6.25, 1.0]
+    np.testing.assert_allclose(ops.convert_to_numpy(v[0]), [1.0, 2.0, 3.0, 4.0])
+    # Once a step held, each backoff halves once, as in Keras: 400 / 2**4 = 25.
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=400.0)
+    v = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
+    opt.build(v)
+    _stateful_or_stateless(opt, v, [ops.array([0.0] * 4)])
     for _ in range(4):
         _stateful_or_stateless(opt, v, [ops.array([np.inf] * 4)])
     np.testing.assert_allclose(ops.convert_to_numpy(opt.scale_loss(1.0)), 25.0)

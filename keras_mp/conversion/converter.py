@@ -23,7 +23,11 @@ import keras_mp.keep_list as keep_list
 import keras_mp.optimizer_guard as optimizer_guard
 from keras_mp.conversion import calibration
 from keras_mp.conversion import runcheck as _runcheck
-from keras_mp.conversion.boundary import cast_at_boundaries, cast_model_outputs
+from keras_mp.conversion.boundary import (
+    cast_at_boundaries,
+    cast_model_outputs,
+    keep_index_inputs,
+)
 from keras_mp.conversion.model_copy import copy_model, pair_layers, recast_variables
 from keras_mp.keras_internals import DotNotTrackScope
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
@@ -150,6 +154,7 @@ def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
     if policy.is_low_precision:
         _swap_layers(layers, where, the_plan, policy)
     cast_at_boundaries(layers, parents)
+    keep_index_inputs(layers, parents)
     cast_model_outputs(model, layers, parents, policy.is_low_precision)
 
 

@@ -25,9 +25,11 @@ import time
 from collections.abc import Callable
 
 import keras
+import numpy as np
 
 import keras_mp.keep_list as keep_list
 from keras_mp.conversion import calibration
+from keras_mp.conversion.boundary import index_inputs
 from keras_mp.conversion.trial import (
     RunFailure,
     finite_outputs,
@@ -37,7 +39,16 @@ from keras_mp.conversion.trial import (
 )
 from keras_mp.quiet import ignoring
 
-__all__ = ["CHECKS", "RunCheck", "alone", "checked", "repair", "run_check", "wants_train_check"]
+__all__ = [
+    "CHECKS",
+    "RunCheck",
+    "alone",
+    "checked",
+    "large_ids",
+    "repair",
+    "run_check",
+    "wants_train_check",
+]
 
 CHECKS = ("auto", "forward", "train")
 _ROUNDS = 16
@@ -283,6 +294,26 @@ def _with_cost(pin, ranges: dict, float32: set):
     return dataclasses.replace(pin, cost=sum(ranges[a].flops for a in own if a in ranges) / total)
 
 
+def large_ids(model: keras.Model, x):
+    """`x` (a batch made from `model.inputs`) with the float inputs that reach an
+    `Embedding` (`boundary.index_inputs`) holding the largest ids, counting down from
+    `input_dim - 1`: ids rounded in a low dtype then fetch a row past the table and fail
+    (1999 is 2000 in bfloat16), where the uniform [0, 1) batch rounds to row 0 or 1.
+    A batch the float32 model cannot run (the ids reach a smaller table too) is left as
+    it was.
+    """
+    found = index_inputs(model) if x is not None else {}
+    if not found or isinstance(x, dict):
+        return x
+    batch = list(x) if isinstance(x, list) else [x]
+    for i, n in found.items():
+        shape = batch[i].shape
+        ids = np.maximum(n - 1 - np.arange(int(np.prod(shape))), 0)
+        batch[i] = ids.reshape(shape).astype(batch[i].dtype)
+    made = batch if isinstance(x, list) else batch[0]
+    return made if forward_failure(model, made) is None else x
+
+
 def run_check(
     model,
     the_plan,
@@ -312,7 +343,7 @@ def run_check(
     """
     policy = the_plan.policy
     if x is None:
-        x, inputs = sample_inputs(model), "made from model.inputs"
+        x, inputs = large_ids(model, sample_inputs(model)), "made from model.inputs"
     if x is None:
         the_plan.notes.append(
             "run check skipped: the model has no input specs; pass a batch as `calibrate`"
