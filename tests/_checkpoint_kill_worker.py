@@ -34,6 +34,11 @@ import numpy as np  # noqa: E402
 
 import keras_mp as kmp  # noqa: E402
 
+try:  # Keras imports TensorFlow at the first save on any backend: once here, not per child
+    import tensorflow  # noqa: E402, F401
+except ImportError:
+    pass
+
 FEATURES, CLASSES, BATCH = 32, 10, 32
 
 

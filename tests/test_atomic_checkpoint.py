@@ -141,11 +141,12 @@ def test_resume_restores_the_loss_scale_state_and_continues_identically(tmp_path
         if "dense" not in name:  # the iterations, the loss scale and its counters
             assert loaded_name == name
         np.testing.assert_array_equal(loaded_value, value, err_msg=name)
-    # One more step from each: the same weights (the resumed run continues the saved one).
+    # One more step from each: the same weights (the resumed run continues the saved one;
+    # an Adam restarted from zero moments would be ~1e-3 off, the learning rate).
     model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
     loaded.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)
     for a, b in zip(model.weights, loaded.weights):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5, err_msg=a.path)
     assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy())
 
 

@@ -160,5 +160,5 @@ def fix(model, data, policy: str, margin: float, out: str) -> str:
     if any(x.compute_dtype != "float32" for x in model._flatten_layers(include_self=False)):
         fp32 = kmp.convert(model, "float32")  # calibration measures float32 values
     fixed = kmp.convert(fp32, policy, calibrate=data, margin=margin)
-    fixed.save(out)
+    kmp.saving.save_model(fixed, out)  # atomic: a killed run leaves no half-written file
     return f"{fixed.precision_plan}\nwrote {out}"
