@@ -5,10 +5,12 @@ The face of the subpackage: `LeanOptimizer` (`optimizer.py`), its pure update ru
 packed groups and whole-step update, `packed_step.py`), the storage
 formats (`codecs.py`), the general path for any other Keras
 optimizer (`general.py`), the state's layout across devices (`sharding.py`) and
-`state_bytes` (`memory.py`).
+`state_bytes` (`memory.py`); `ema_update` (`ema.py`), moving averages of lean weights
+that move.
 """
 
 from keras_mp.lean import codecs, general, packing, rule, sharding
+from keras_mp.lean.ema import ema_update
 from keras_mp.lean.memory import StateBytes, state_bytes, variable_bytes
 from keras_mp.lean.optimizer import (
     DEFAULT_MOMENTS,
@@ -25,6 +27,7 @@ __all__ = [
     "SUPPORTED",
     "StateBytes",
     "codecs",
+    "ema_update",
     "general",
     "lean_rule",
     "packing",

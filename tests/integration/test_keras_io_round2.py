@@ -122,3 +122,40 @@ def test_loss_needing_a_small_scale_skips_few_steps_of_a_short_run():
     if BACKEND == "tensorflow":  # JAX's float16 run ends 1.64x float32's (not yet known why)
         ratio = model.evaluate(x, y, verbose=0) / reference.evaluate(x, y, verbose=0)
         assert ratio <= 1.05, ratio
+
+
+def _ddim_like(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,))
+    return keras.Model(inputs, keras.layers.Dense(8)(keras.layers.Dense(16)(inputs)))
+
+
+@pytest.mark.parametrize("decay,float32_share", [(0.999, 0.095), (0.99, 0.634)])
+def test_ema_of_a_lean_model_moves_as_in_float32(decay, float32_share):
+    """DDIM's EMA copy of a lean network: the example's own bfloat16 update stays where
+    it started (0.999: 0.000 of the way after 100 steps); `kmp.lean.ema_update` covers
+    float32's share (1 - decay**100) within 0.01."""
+    network = kmp.convert(_ddim_like(), "lean_bfloat16")
+    for w in network.weights:  # weights of 4.0 (ulp 1/32), trained on to 4.5
+        w.assign(keras.ops.full(w.shape, 4.0, w.dtype))
+    ema_network = keras.models.clone_model(network)
+    ema_network.set_weights(network.get_weights())
+    plain = keras.models.clone_model(network)
+    plain.set_weights(network.get_weights())
+    for w in network.weights:
+        w.assign(keras.ops.full(w.shape, 4.5, w.dtype))
+    for _ in range(100):
+        kmp.lean.ema_update(ema_network, network, decay)
+        for ema_w, w in zip(plain.weights, network.weights):  # keras.io's own update
+            ema_w.assign(decay * ema_w + (1 - decay) * w)
+    assert {keras.backend.standardize_dtype(w.dtype) for w in ema_network.trainable_weights} == {
+        "bfloat16"}
+
+    def share(model):
+        moved = [keras.ops.convert_to_numpy(keras.ops.cast(w, "float32")) - 4.0
+                 for w in model.weights]
+        return float(np.mean(np.concatenate([m.ravel() for m in moved]))) / 0.5
+
+    assert abs(share(ema_network) - float32_share) <= 0.01, share(ema_network)
+    if decay == 0.999:
+        assert share(plain) <= 0.001  # the silent failure: bfloat16 rounds each step away
