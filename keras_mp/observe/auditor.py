@@ -137,6 +137,8 @@ def _loss_scale(model, loss_scale) -> tuple[float, str]:
             )
         return float(loss_scale), "given"
     opt = getattr(model, "optimizer", None)
+    if getattr(opt, "skip_only", False):
+        opt = None  # bfloat16's or float32's fixed 1: it skips, it does not scale
     if isinstance(opt, keras.optimizers.LossScaleOptimizer) and opt.built:
         return float(to_numpy(opt.dynamic_scale.value)), "the compiled optimizer's"
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
@@ -238,9 +240,13 @@ def audit(
     model_fp32 = all(r.layer.compute_dtype == "float32" for r in records)
     # A bfloat16 model trained without a scaler (as compile leaves one) has float32's range:
     # float16's gradient underflow and overflow do not apply to it.
+    opt = getattr(model, "optimizer", None)
     unscaled_bf16 = (
         loss_scale is None
-        and not isinstance(getattr(model, "optimizer", None), keras.optimizers.LossScaleOptimizer)
+        and (
+            not isinstance(opt, keras.optimizers.LossScaleOptimizer)
+            or getattr(opt, "skip_only", False)  # bfloat16's fixed 1 only skips
+        )
         and any(r.layer.compute_dtype == "bfloat16" for r in records)
         and not any(r.layer.compute_dtype == "float16" for r in records)
     )
