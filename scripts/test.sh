@@ -2,9 +2,10 @@
 # Installs keras_mp with its test extras and runs the suite: every test on the
 # TensorFlow backend and, at the same time in a second process, the backend-neutral ones
 # again on JAX (CPU); the JAX pass's output follows the TensorFlow one.
-# KMP_TEST_SERIAL=1 runs the two passes one after the other. KMP_TEST_OLDEST_KERAS=1 (CI)
-# also runs scripts/test_oldest_keras.sh, in the second lane after the JAX pass, where a
-# core is free while the longer TensorFlow pass goes on.
+# KMP_TEST_SERIAL=1 runs the two passes one after the other. KMP_TEST_OTHER_KERAS="oldest
+# nightly" (CI) also runs scripts/test_other_keras.sh for each Keras named (the oldest
+# setup.cfg allows, the next one), in the second lane after the JAX pass, where a core is
+# free while the longer TensorFlow pass goes on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e ".[test,plot]"
@@ -15,25 +16,29 @@ jax_pass() {
 tf_pass() {
   KERAS_BACKEND=tensorflow python -m pytest -q -p no:cacheprovider "$@"
 }
-oldest_pass() {
-  if [ "${KMP_TEST_OLDEST_KERAS:-0}" = "1" ]; then
-    bash scripts/test_oldest_keras.sh "$@"
-  fi
+other_keras_pass() {
+  local which rc failed=0
+  for which in ${KMP_TEST_OTHER_KERAS:-}; do
+    rc=0
+    bash scripts/test_other_keras.sh "$which" "$@" || rc=$?
+    echo "=== Keras '$which' pass: exit $rc ==="
+    [ "$rc" -eq 0 ] || failed=1
+  done
+  return "$failed"
 }
-# The second lane: the JAX pass, then (CI) the oldest-Keras pass; its exit status is 0 only
-# when both passed, and it names which failed.
+# The second lane: the JAX pass, then (CI) the other Keras versions' passes; its exit status
+# is 0 only when all passed, and it names which failed.
 second_lane() {
-  local jax_rc=0 old_rc=0
+  local jax_rc=0 other_rc=0
   jax_pass "$@" || jax_rc=$?
   echo "=== JAX pass: exit $jax_rc ==="
-  oldest_pass "$@" || old_rc=$?
-  [ "${KMP_TEST_OLDEST_KERAS:-0}" != "1" ] || echo "=== oldest-Keras pass: exit $old_rc ==="
-  [ "$jax_rc" -eq 0 ] && [ "$old_rc" -eq 0 ]
+  other_keras_pass "$@" || other_rc=$?
+  [ "$jax_rc" -eq 0 ] && [ "$other_rc" -eq 0 ]
 }
 if [ "${KMP_TEST_SERIAL:-0}" = "1" ]; then
   tf_pass "$@"
   jax_pass "$@"
-  oldest_pass "$@"
+  other_keras_pass "$@"
   exit 0
 fi
 lane_log="$(mktemp)"
@@ -44,7 +49,7 @@ tf_rc=0
 tf_pass "$@" || tf_rc=$?
 lane_rc=0
 wait "$lane_pid" || lane_rc=$?
-echo "=== second lane (JAX pass, then any oldest-Keras pass) ==="
+echo "=== second lane (JAX pass, then any other-Keras passes) ==="
 cat "$lane_log"
 echo "=== TensorFlow pass: exit $tf_rc; second lane: exit $lane_rc ==="
 [ "$tf_rc" -eq 0 ] && [ "$lane_rc" -eq 0 ]

@@ -42,8 +42,22 @@ def _loss_after(model, opt, steps):
     return float(loss(y, model(x)))
 
 
+def _stock_muon_fails() -> str | None:
+    """Keras 3.12's own Muon fails on TensorFlow (its update reads `variable.path` off the
+    raw `tf.Variable` TF's optimizer hands it): why, or None where stock Muon runs."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Muon(1e-2), loss="mse")
+    try:
+        model.train_on_batch(np.zeros((2, 4), "float32"), np.zeros((2, 2), "float32"))
+    except AttributeError as e:
+        return f"stock keras.optimizers.Muon fails on Keras {keras.__version__} itself: {e}"
+    return None
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_each_optimizer_trains_like_mixed_bfloat16(name):
+    if name == "muon" and (why := _stock_muon_fails()):
+        pytest.skip(why)
     make, slots = OPTIMIZERS[name]
     # float32 weights and float32 slots: the optimizer's own update, exactly
     ref = _train(_mlp(), make(), steps=2)

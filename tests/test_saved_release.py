@@ -32,6 +32,14 @@ def _batch():
 @pytest.mark.parametrize("policy", ["mixed_float16", "lean_bfloat16"])
 @pytest.mark.parametrize("loader", [keras.saving.load_model, kmp.saving.load_model])
 def test_previous_release_file_loads_and_trains_on(policy, loader):
+    import inspect
+
+    if "quantization_config" not in inspect.signature(keras.layers.Dense.__init__).parameters:
+        pytest.skip(
+            "the 0.1.0 files were written by Keras 3.15.1, whose Dense config carries "
+            f"`quantization_config`; Keras {keras.__version__}'s Dense rejects it (Keras "
+            "does not load files written by a newer Keras)"
+        )
     want = EXPECTED["models"][policy]
     model = loader(os.path.join(DATA, f"{policy}.keras"))
     x, y = _batch()

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The TensorFlow pass again on another Keras, for what differs between Keras versions: the
+# modules that reach Keras' API beyond its public surface (keras_mp/keras_internals.py and the
+# features built on it: policies, loss scaling, lean, losses, layers, float8, saving,
+# conversion). scripts/test.sh covers the newest Keras pip resolves.
+#
+#   bash scripts/test_other_keras.sh oldest    # the oldest Keras setup.cfg allows (keras>=X)
+#   bash scripts/test_other_keras.sh nightly   # the next Keras: keras-nightly (NIGHTLY below)
+#
+# The other Keras goes into a second virtual environment that sees the first one's packages
+# (a .pth file) and shadows only `keras` (installed with --no-deps: keras-hub and the rest
+# stay). keras_hub 0.32 declares keras>=3.15 but its models used here run on the older Keras;
+# it does not import on 3.16 (a mask helper moved), so tests that need it skip there, naming
+# why (tests/conftest.py). Runs from the virtual environment scripts/test.sh installed into
+# (`KMP_TEST_OTHER_KERAS="oldest nightly" bash scripts/test.sh` runs both after the JAX pass).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+which="${1:?usage: test_other_keras.sh oldest|nightly [pytest args]}"
+shift
+# The nightly checked last (keras_mp/keras_internals.py's SUPPORTED_KERAS reaches it); set
+# KMP_KERAS_NIGHTLY=latest for the newest one on the index.
+NIGHTLY="${KMP_KERAS_NIGHTLY:-3.16.0.dev2026102704}"
+case "$which" in
+  oldest)
+    oldest="$(sed -n 's/^ *keras>=\([0-9.]*\).*/\1/p' setup.cfg | head -1)"
+    [ -n "$oldest" ] || { echo "setup.cfg declares no keras>= lower bound" >&2; exit 1; }
+    package="keras==$oldest.0"
+    expect="$oldest."
+    ;;
+  nightly)
+    if [ "$NIGHTLY" = latest ]; then package="keras-nightly"; else package="keras-nightly==$NIGHTLY"; fi
+    expect=""
+    ;;
+  *) echo "test_other_keras.sh: unknown Keras '$which' (oldest or nightly)" >&2; exit 2 ;;
+esac
+venv="$(mktemp -d)/venv-keras-$which"
+python -m venv "$venv"
+python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+  > "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_main.pth"
+"$venv/bin/python" -m pip install -q --no-deps --pre "$package"
+"$venv/bin/python" -c "import keras, sys; v = keras.__version__; print('Keras', v); sys.exit(not v.startswith('$expect'))"
+# What reaches Keras' internals, whole; the rest of the suite is the same code on any Keras.
+MODULES=(
+  tests/test_keras_internals.py tests/test_layout.py
+  tests/test_policies.py tests/test_autoscale.py tests/test_loss_scale.py tests/test_losses.py
+  tests/test_layers.py tests/test_float8.py tests/test_save.py tests/test_model_copy.py
+  tests/test_convert_nested.py tests/test_boundary.py tests/test_lean.py tests/test_nonfinite_steps.py
+)
+# One case of each other module that touches Keras objects, so that each imports and runs.
+SMOKE=(
+  tests/test_callbacks.py::test_monitor_logs_are_the_optimizer_scale_step_by_step
+  tests/test_runcheck.py::test_check_argument_is_validated
+  tests/test_export.py::test_signature_takes_and_returns_float32
+  tests/test_fingerprint.py::test_recorder_in_a_custom_loop
+  tests/test_lean_general.py::test_non_finite_gradient_changes_nothing
+  tests/test_lean_packing.py
+  tests/test_formats.py
+  "tests/integration/test_keras_io_examples.py::test_vae_own_losses_add_up_in_float32[mixed_float16]"
+  tests/integration/test_convert_models.py::test_convert_transformer_close_and_trains
+)
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" KERAS_BACKEND=tensorflow "$venv/bin/python" -m pytest \
+  -q -p no:cacheprovider "$@" "${MODULES[@]}" "${SMOKE[@]}"
