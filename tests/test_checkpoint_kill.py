@@ -35,7 +35,9 @@ class Worker:
     """The worker process: send it commands, read its JSON answers (with a timeout)."""
 
     def __init__(self, directory, width):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1", PYTHONPATH=path)
         self.stderr = open(os.path.join(directory, "..", "worker.err"), "w+")
         self.proc = subprocess.Popen(
             [sys.executable, WORKER, str(directory), str(width)],
