@@ -16,11 +16,10 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 
 import sys as _sys
 
-import keras as _keras
-
+# First: it hides TensorFlow's C++ INFO lines if it is keras_mp that imports TensorFlow.
+import keras_mp.patches as patches
 from keras_mp import (
     activations,
-    autoscale,
     conversion,
     fingerprint,
     float8,
@@ -31,7 +30,6 @@ from keras_mp import (
     lean,
     losses,
     observe,
-    optimizer_guard,
     saving,
 )
 from keras_mp.conversion import convert, plan
@@ -51,12 +49,9 @@ from keras_mp.version import __version__
 
 _sys.modules[__name__ + ".callbacks"] = callbacks  # `import keras_mp.callbacks` as before
 
-autoscale.install()  # compile() under a keras_mp policy gets kmp.LossScaleOptimizer
-optimizer_guard.install()  # a plain optimizer on lean or float16 weights warns once
-if _keras.backend.backend() == "tensorflow":  # bfloat16/uint8 variables under multi-worker
-    from keras_mp.tf.distribute import widen_collective_broadcasts
-
-    widen_collective_broadcasts()
+# What this changes in Keras for every model, and how to opt out: keras_mp/patches.py, README.
+if not patches.disabled():  # KERAS_MP_NO_PATCH=1: nothing is changed
+    patches.install()  # compile() gets keras_mp's optimizers; optimizers' apply checks once
 
 __all__ = [
     "MemoryReport",
@@ -83,6 +78,7 @@ __all__ = [
     "callbacks",
     "conversion",
     "observe",
+    "patches",
     "fingerprint",
     "hardware",
     "float8",

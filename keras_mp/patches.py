@@ -1,0 +1,124 @@
+"""What `import keras_mp` changes in Keras for every model in the process, and undoing it.
+
+`import keras_mp` calls `install()`, which changes Keras for every model in the process,
+converted or not:
+
+- `keras.Model.compile` is wrapped (`keras_mp.autoscale`): under a keras_mp policy (or a
+  float16 model Keras leaves unscaled) the optimizer becomes `kmp.LossScaleOptimizer`,
+  under `"lean_bfloat16"` `kmp.LeanOptimizer`; a float32 or bfloat16 model under a keras_mp
+  policy gets a skip-only scaler. A model compiled under none of them is left as Keras
+  made it; `compile(..., auto_scale_loss=False)` turns it off for one model.
+- every Keras optimizer's `apply` and `stateless_apply` check once, on first use, that
+  they do not update float16 or lean bfloat16 weights unwrapped (`keras_mp.optimizer_guard`:
+  one warning, nothing changed).
+- on TensorFlow, `tf.distribute`'s collective broadcasts send the bfloat16, int8 and uint8
+  values TensorFlow refuses as float32/int32 (`keras_mp.tf.distribute`); others untouched.
+- where keras_mp is what imports TensorFlow and `TF_CPP_MIN_LOG_LEVEL` is unset, it is set
+  to `"1"`: TensorFlow's C++ INFO lines (oneDNN, CUDA stubs, CPU features, XLA) are hidden,
+  its warnings and errors kept (set the variable yourself to choose).
+
+To opt out, set `KERAS_MP_NO_PATCH=1` before `import keras_mp` (none of it is done), or
+call `kmp.patches.uninstall()` (`compile` and the optimizers' `apply` are Keras' own again;
+the broadcast widening stays, as it only changes what TensorFlow would refuse). Then pass
+the optimizer yourself: `kmp.LossScaleOptimizer(...)` for float16, `kmp.LeanOptimizer(...)`
+for `"lean_bfloat16"`.
+
+Example:
+
+```python
+import keras_mp as kmp
+
+kmp.patches.installed()   # {'compile': True, 'optimizer_apply': True, ...}
+kmp.patches.uninstall()   # Keras' compile and apply, as without keras_mp
+kmp.patches.install()     # back
+```
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = [
+    "NO_PATCH_VARIABLE",
+    "disabled",
+    "install",
+    "installed",
+    "quiet_tensorflow_info",
+    "uninstall",
+]
+
+NO_PATCH_VARIABLE = "KERAS_MP_NO_PATCH"
+_APPLY = ("apply", "stateless_apply")
+
+
+def disabled(environ=None) -> bool:
+    """Whether `KERAS_MP_NO_PATCH` is set to a true value (`1`, `true`, `yes`, `on`)."""
+    value = (os.environ if environ is None else environ).get(NO_PATCH_VARIABLE, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def quiet_tensorflow_info(environ=None) -> bool:
+    """Sets `TF_CPP_MIN_LOG_LEVEL=1` (INFO hidden) where TensorFlow is not imported yet and
+    the user set no level. Returns whether it set it."""
+    environ = os.environ if environ is None else environ
+    if "tensorflow" in sys.modules or "TF_CPP_MIN_LOG_LEVEL" in environ or disabled(environ):
+        return False
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "1"
+    return True
+
+
+# Imported by keras_mp's `__init__` before anything imports Keras (and so TensorFlow).
+quiet_tensorflow_info()
+
+
+def install() -> None:
+    """Wraps Keras' `compile` and the optimizers' `apply` (and, on TensorFlow, widens the
+    collective broadcasts); idempotent. `import keras_mp` calls it unless
+    `KERAS_MP_NO_PATCH` is set."""
+    import keras
+
+    import keras_mp.autoscale as autoscale
+    import keras_mp.optimizer_guard as optimizer_guard
+
+    autoscale.install()
+    optimizer_guard.install()
+    if keras.backend.backend() == "tensorflow":
+        from keras_mp.tf.distribute import widen_collective_broadcasts
+
+        widen_collective_broadcasts()
+
+
+def uninstall() -> None:
+    """Gives Keras back its own `Model.compile` and optimizers' `apply`/`stateless_apply`;
+    idempotent. Models compiled before keep the optimizer they were given."""
+    from keras_mp.keras_internals import BaseOptimizer, Trainer
+
+    compile_ = Trainer.compile
+    if getattr(compile_, "_keras_mp_autoscale", False):
+        Trainer.compile = compile_.__wrapped__
+    for name in _APPLY:
+        method = getattr(BaseOptimizer, name)
+        if getattr(method, "_keras_mp_guard", False):
+            setattr(BaseOptimizer, name, method.__wrapped__)
+
+
+def installed() -> dict:
+    """What is installed now: `{"compile": bool, "optimizer_apply": bool,
+    "collective_broadcasts": bool or None}` (None: TensorFlow is not imported)."""
+    from keras_mp.keras_internals import BaseOptimizer, Trainer
+
+    out = {
+        "compile": bool(getattr(Trainer.compile, "_keras_mp_autoscale", False)),
+        "optimizer_apply": all(
+            getattr(getattr(BaseOptimizer, n), "_keras_mp_guard", False) for n in _APPLY
+        ),
+        "collective_broadcasts": None,
+    }
+    if "tensorflow" in sys.modules and sys.modules["tensorflow"] is not None:
+        from tensorflow.python.ops import collective_ops
+
+        out["collective_broadcasts"] = bool(
+            getattr(collective_ops.broadcast_send, "_keras_mp_widened", False)
+        )
+    return out

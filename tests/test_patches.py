@@ -1,0 +1,106 @@
+"""keras_mp.patches: what `import keras_mp` changes in Keras, `KERAS_MP_NO_PATCH`, uninstall."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp as kmp
+from keras_mp import patches
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compiled(policy="mixed_float16"):
+    inputs = keras.Input((4,))
+    model = kmp.convert(keras.Model(inputs, keras.layers.Dense(3)(inputs)), policy)
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def test_uninstall_gives_keras_its_compile_and_apply_back():
+    assert patches.installed()["compile"] and patches.installed()["optimizer_apply"]
+    assert type(_compiled().optimizer) is kmp.LossScaleOptimizer
+    patches.uninstall()
+    try:
+        assert not patches.installed()["compile"] and not patches.installed()["optimizer_apply"]
+        model = _compiled()
+        assert type(model.optimizer) is keras.optimizers.Adam  # Keras' own compile
+        before = [np.asarray(v) for v in model.get_weights()]
+        model.fit(np.ones((8, 4), "float32"), np.zeros((8, 3), "float32"), verbose=0)
+        assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+        patches.uninstall()  # idempotent
+    finally:
+        patches.install()
+    assert patches.installed()["compile"] and patches.installed()["optimizer_apply"]
+    assert type(_compiled().optimizer) is kmp.LossScaleOptimizer
+
+
+def test_disabled_reads_the_variable():
+    assert not patches.disabled({})
+    assert patches.disabled({"KERAS_MP_NO_PATCH": "1"})
+    assert patches.disabled({"KERAS_MP_NO_PATCH": "true"})
+    assert not patches.disabled({"KERAS_MP_NO_PATCH": "0"})
+
+
+_IMPORT = """
+import json, os
+import keras_mp as kmp
+import keras
+inputs = keras.Input((4,))
+model = kmp.convert(keras.Model(inputs, keras.layers.Dense(3)(inputs)), "mixed_float16")
+model.compile(optimizer="adam", loss="mse")
+print(json.dumps({
+    "level": os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
+    "installed": kmp.patches.installed(),
+    "optimizer": type(model.optimizer).__name__,
+}))
+"""
+
+
+def _import_keras_mp(**env):
+    base = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**base, "KERAS_BACKEND": "tensorflow", "PYTHONPATH": str(ROOT), **env},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.tf_only
+def test_import_hides_tensorflow_info_lines_unless_the_user_chose_a_level():
+    """Issue 46: library use printed TensorFlow's C++ INFO lines the CLI hides."""
+    out, stderr = _import_keras_mp()
+    assert out["level"] == "1"  # set for TensorFlow, which keras_mp imported first
+    assert "cpu_feature_guard" not in stderr
+    for line in stderr.splitlines():  # only those written before TensorFlow reads the level
+        if line.startswith("I0000"):
+            assert "port.cc" in line or "cudart_stub.cc" in line, line
+    assert out["installed"] == {
+        "compile": True,
+        "optimizer_apply": True,
+        "collective_broadcasts": True,
+    }
+    assert out["optimizer"] == "LossScaleOptimizer"
+
+
+@pytest.mark.tf_only
+def test_keras_mp_no_patch_changes_nothing():
+    out, stderr = _import_keras_mp(KERAS_MP_NO_PATCH="1")
+    assert "cpu_feature_guard" in stderr  # TensorFlow's INFO lines as without keras_mp
+    assert out["installed"] == {
+        "compile": False,
+        "optimizer_apply": False,
+        "collective_broadcasts": False,
+    }
+    assert out["optimizer"] == "Adam"  # Keras' compile: pass kmp.LossScaleOptimizer yourself
