@@ -58,5 +58,12 @@ SMOKE=(
   "tests/integration/test_keras_io_examples.py::test_vae_own_losses_add_up_in_float32[mixed_float16]"
   tests/integration/test_convert_models.py::test_convert_transformer_close_and_trains
 )
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" KERAS_BACKEND=tensorflow "$venv/bin/python" -m pytest \
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$which" = nightly ]; then
+  # Keras 3.16 runs JAX's steps_per_execution as one on-device lax.scan: keras_mp's per-step
+  # state (loss scale, skip counts, the lean update) inside it.
+  KERAS_BACKEND=jax "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" \
+    tests/test_keras_internals.py tests/test_steps_per_execution.py
+fi
+KERAS_BACKEND=tensorflow "$venv/bin/python" -m pytest \
   -q -p no:cacheprovider "$@" "${MODULES[@]}" "${SMOKE[@]}"
