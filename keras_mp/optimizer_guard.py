@@ -14,8 +14,9 @@ Such an optimizer sees none of what the policy needs:
 `mark(model, policy)` (called by `kmp.convert`) tags the converted model's trainable
 variables with what they need; `install()` (done by `import keras_mp`) makes every
 Keras optimizer check, the first time it applies gradients, whether its variables carry
-such a tag (or are bfloat16 under the global `"lean_bfloat16"` policy), and warn once
-naming the wrapper. keras_mp's own wrappers, and the optimizers they wrap, are exempt;
+such a tag (or are bfloat16 under the global `"lean_bfloat16"` policy, or float32 under a
+global `"mixed_float16"`, Keras' as well as keras_mp's), and warn once naming the
+wrapper. keras_mp's own wrappers, and the optimizers they wrap, are exempt;
 so is an optimizer compiled with `auto_scale_loss=False`.
 """
 
@@ -70,11 +71,18 @@ def _needs(variables) -> str | None:
 
     remembered = policies.remembered_policy()
     lean_globally = remembered is not None and remembered.is_lean
+    # Keras' "mixed_float16" or keras_mp's, set globally: float32 weights of layers built
+    # under it compute in float16, however the model was made (not only by kmp.convert).
+    current = keras.config.dtype_policy()
+    float16_globally = (current.compute_dtype, current.variable_dtype) == ("float16", "float32")
     needs = None
     for v in variables:
         tag = getattr(v, _TAG, None)
-        if tag is None and lean_globally and getattr(v, "dtype", None) == "bfloat16":
+        dtype = getattr(v, "dtype", None)
+        if tag is None and lean_globally and dtype == "bfloat16":
             tag = LEAN
+        elif tag is None and float16_globally and dtype == "float32":
+            tag = FLOAT16
         if tag == LEAN:
             return LEAN
         needs = needs or tag
