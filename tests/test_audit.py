@@ -108,13 +108,15 @@ def test_audit_flags_low_softmax_and_misaligned_dims():
     keras.config.set_dtype_policy("float32")
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     x = np.random.default_rng(0).normal(size=(4, 6, 16)).astype("float32")
-    report = kmp.audit(model, (x, np.arange(4)))
+    report = kmp.audit(model, (x, np.arange(4)), tensor_cores=True)  # audited for a GPU
     assert report["probs"].runs_low and report["probs"].fp32_reason == "softmax"
     assert report["mha"].runs_low and report["mha"].fp32_reason == "attention softmax"
     assert report["mha"].matmul_dims == (16, 12, 12)
     assert report["mha"].misaligned_dims == (12, 12)
     assert report["proj"].matmul_dims == (96, 10) and report["proj"].misaligned_dims == (10,)
-    assert "Pad 'proj' (Dense) dimensions 10 -> 16" in " ".join(report.advice)
+    assert "Pad 'proj' (Dense) dimensions 10 -> 16: a GPU's tensor cores" in (
+        " ".join(report.advice)
+    )
     assert "Layer 'probs' (Softmax, softmax) computes in bfloat16: use kmp.layers.Softmax" in (
         " ".join(report.advice)
     )
@@ -171,3 +173,20 @@ def test_audit_of_an_unscaled_bfloat16_model_gives_no_float16_scale_advice():
     assert report.layers[0].variables[0].grad_underflow_at_scale > 0.1  # float16's, shown
     assert not any("loss scale" in a for a in report.advice)
     assert report.verdict == "OK for mixed precision."
+
+
+def test_audit_advises_tensor_core_padding_only_for_a_gpu():
+    """Issue 46: the audit advised padding widths "for tensor cores" on a CPU-only machine."""
+    from keras_mp.observe.auditor import _has_tensor_cores
+
+    inputs = keras.Input((12,))
+    model = keras.Model(inputs, keras.layers.Dense(10, name="proj")(inputs))
+    x = np.random.default_rng(0).normal(size=(4, 12)).astype("float32")
+    cpu = kmp.audit(model, x, tensor_cores=False)
+    assert cpu["proj"].misaligned_dims == (12, 10)  # the column still says it
+    assert not any("Pad" in a for a in cpu.advice)
+    assert any("dims%8: tensor-core alignment" in n and "none here" in n for n in cpu.notes)
+    gpu = kmp.audit(model, x, tensor_cores=True)
+    assert any(a.startswith("Pad 'proj' (Dense) dimensions 12 -> 16, 10 -> 16") for a in gpu.advice)
+    here = kmp.audit(model, x)  # this machine decides
+    assert any("Pad" in a for a in here.advice) == _has_tensor_cores()

@@ -227,7 +227,7 @@ def _saved_model(tmp_path):
     path = tmp_path / "mlp.keras"
     model.save(path)
     npz = tmp_path / "batch.npz"
-    np.savez(npz, x=data.x_train[:32], y=data.y_train[:32])
+    np.savez(npz, x=data.x_train[:48], y=data.y_train[:48])  # more than the former cap, 32
     return path, npz
 
 
@@ -258,11 +258,28 @@ def test_audit_prints_the_report(tmp_path, capsys):
     for layer in ("dense0", "dense1", "logits"):
         assert layer in out
     assert "Verdict:" in out
-    assert out.splitlines()[-1].startswith("verdict: mlp.keras (4 layers, one batch; ")
+    assert out.splitlines()[-1].startswith(
+        "verdict: mlp.keras (4 layers, one batch of 48 samples; "
+    )
+    assert "note: gradients of" in out and "on 48 samples" in out
+    assert "done: 4 layers audited" in out and "step 3/3" in out  # steps, not layers
     assert main(["audit", str(path), "--no-progress"]) == 0  # no data: random inputs
     out = capsys.readouterr().out
     assert "random inputs" in out and "audited" not in out  # no progress bar
-    assert "random inputs, forward checks only" in out.splitlines()[-1]
+    assert "random inputs (32 samples), forward checks only" in out.splitlines()[-1]
+
+
+def test_audit_uses_every_sample_given_or_says_how_many(tmp_path, capsys):
+    """Issue 46: the audit used 32 of the 64 samples given and said so only in a note."""
+    path, npz = _saved_model(tmp_path)
+    assert main(["audit", str(path), "--data", str(npz), "--no-progress"]) == 0
+    assert "one batch of 48 samples;" in capsys.readouterr().out.splitlines()[-1]
+    argv = ["audit", str(path), "--data", str(npz), "--no-progress", "--max-samples", "16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "on 16 samples" in out
+    last = out.splitlines()[-1]
+    assert "one batch of 16 samples (the first 16 of 48 given: --max-samples);" in last
 
 
 @pytest.mark.tf_only  # the fix is checked in float16, which JAX's CPU cannot run

@@ -16,15 +16,16 @@ import numpy as np
 __all__ = ["fix", "load_batch", "run", "verdict"]
 
 
-def load_batch(path: str | None, model, batch: int = 32, seed: int = 0):
+def load_batch(path: str | None, model, batch: int = 32, seed: int = 0, limit: int | None = None):
     """The audit batch: `x` and `y` from an `.npz`, or random inputs when `path` is None.
 
     Args:
         path: an `.npz` file with arrays `x` and (optionally) `y`; other names are accepted
             when the file holds exactly one or two arrays (taken as x, y in order).
         model: the model (for the input shape of random inputs).
-        batch: number of samples to use.
+        batch: number of random samples (without `path`).
         seed: seed of the random inputs.
+        limit: the most samples taken from the file (its first ones); None: all of them.
 
     Returns:
         `x` or `(x, y)`.
@@ -56,8 +57,19 @@ def load_batch(path: str | None, model, batch: int = 32, seed: int = 0):
         raise ValueError(
             f"--data: {path!r} must hold arrays named 'x' (and 'y'); found {sorted(arrays)}."
         )
-    x = x[:batch]
-    return x if y is None else (x, y[:batch])
+    return _first(x if y is None else (x, y), limit)
+
+
+def _first(data, limit: int | None):
+    """The first `limit` samples of `x` or `(x, y)` (all when None)."""
+    if limit is None:
+        return data
+    return tuple(a[:limit] for a in data) if isinstance(data, tuple) else data[:limit]
+
+
+def _samples(data) -> int:
+    x = data[0] if isinstance(data, tuple) else data
+    return len(x)
 
 
 def _load(path: str):
@@ -75,11 +87,20 @@ def _load(path: str):
         return keras.models.load_model(path)
 
 
-def verdict(report, path: str, forward_only: bool) -> str:
-    """The closing line of `keras-mp audit`: the model file, what was checked, the verdict."""
+def verdict(
+    report, path: str, forward_only: bool, samples: int | None = None, given: int | None = None
+) -> str:
+    """The closing line of `keras-mp audit`: the model file, what was checked (how many
+    samples, of how many given), the verdict."""
     over = sum(1 for la in report.layers if la.overflow_risk)
     low = sum(1 for la in report.layers if la.runs_low)
-    checked = "random inputs, forward checks only" if forward_only else "one batch"
+    if forward_only:
+        n = "" if samples is None else f" ({samples} samples)"
+        checked = f"random inputs{n}, forward checks only"
+    else:
+        checked = "one batch" if samples is None else f"one batch of {samples} samples"
+        if samples is not None and given is not None and given > samples:
+            checked += f" (the first {samples} of {given} given: --max-samples)"
     return (
         f"verdict: {os.path.basename(path)} ({len(report.layers)} layers, {checked}; "
         f"{over} overflowing float16, {low} running low): {report.verdict}"
@@ -92,12 +113,12 @@ def _steps(con, total: int, enabled: bool) -> Iterator:
     if not enabled:
         yield lambda description: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     bars = Progress(
-        TextColumn("{task.description:<32}"),
+        TextColumn("{task.description:<40}"),
         BarColumn(bar_width=20),
-        MofNCompleteColumn(),
+        TextColumn("step {task.completed}/{task.total}"),  # steps, not layers
         TimeElapsedColumn(),
         console=con,
         transient=False,
@@ -127,19 +148,29 @@ def run(args) -> int:
     except ImportError as e:  # pragma: no cover
         raise ValueError(f"kmp.audit is not available in this installation ({e}).") from None
     con = console()
+    limit = getattr(args, "max_samples", None)
     with _steps(con, total=3, enabled=not args.no_progress) as step:
         step(f"loading {os.path.basename(args.model)}")
         model = _load(args.model)
         step("reading the batch")
-        data = load_batch(args.data, model)
-        step(f"probing {len(model.layers)} layers")
+        given = load_batch(args.data, model)
+        data = _first(given, limit)
+        step(f"probing {len(model.layers)} layers on {_samples(data)} samples")
         report = audit(model, data, loss_scale=args.loss_scale)
-        step(f"audited {len(report.layers)} layers")
+        step(f"done: {len(report.layers)} layers audited")
     if args.data is None:
         con.print("note: no --data given: random inputs, forward checks only.")
     con.print(str(report), markup=False, soft_wrap=True)
     con.print(
-        verdict(report, args.model, forward_only=args.data is None), markup=False, soft_wrap=True
+        verdict(
+            report,
+            args.model,
+            forward_only=args.data is None,
+            samples=_samples(data),
+            given=_samples(given),
+        ),
+        markup=False,
+        soft_wrap=True,
     )
     if args.fix:
         con.print(

@@ -175,6 +175,13 @@ def _audit_arguments(a: argparse.ArgumentParser) -> None:
         help="calibration's safety factor: pin what passes the dtype's max / margin "
         "(default: %(default)g)",
     )
+    a.add_argument(
+        "--max-samples",
+        type=_positive(int),
+        default=None,
+        help="audit only the first N samples of --data (default: all of them; the verdict "
+        "line says how many were used)",
+    )
     a.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -181,6 +181,7 @@ def audit(
     underflow_threshold: float = 0.01,
     margin: float = 4.0,
     propose: bool = True,
+    tensor_cores: bool | None = None,
 ) -> AuditReport:
     """Audits a model's readiness for (or behaviour under) mixed precision on one batch.
 
@@ -207,6 +208,9 @@ def audit(
             converted model checked, exactly as `kmp.convert(..., calibrate=data)` does.
         underflow_threshold: fraction of a variable's gradient elements underflowing at
             the loss scale above which the report advises a larger scale.
+        tensor_cores: whether to advise padding matmul/conv dimensions to multiples of 8
+            (what NVIDIA tensor cores tile); default: only where this machine has such a
+            GPU (`kmp.hardware.report()`). Pass True to audit for a GPU from a CPU.
 
     Returns:
         An `AuditReport`.
@@ -320,8 +324,26 @@ def audit(
     report.state_bytes = _state(model)
     if propose:
         report.proposal = _proposal(model, x, margin, model_fp32)
-    _conclude(report, model_fp32, underflow_threshold, float16_grads=not unscaled_bf16)
+    if tensor_cores is None:
+        tensor_cores = _has_tensor_cores()
+    if not tensor_cores and any(la.misaligned_dims for la in report.layers):
+        report.notes.append(
+            "dims%8: tensor-core alignment, which matters on an NVIDIA GPU (none here: "
+            "no padding advised; audit(..., tensor_cores=True) to advise it for one)"
+        )
+    _conclude(report, model_fp32, underflow_threshold, not unscaled_bf16, tensor_cores=tensor_cores)
     return report
+
+
+def _has_tensor_cores() -> bool:
+    """Whether this machine has a GPU with tensor cores (float16 fast: NVIDIA 7.0+)."""
+    from keras_mp.hardware import report as hardware_report
+
+    try:
+        devices = hardware_report().devices
+    except Exception:  # a backend that cannot list its devices: assume none
+        return False
+    return any(d.kind == "GPU" and d.fp16 for d in devices)
 
 
 def _run_failure(model, x) -> str | None:
@@ -392,7 +414,11 @@ def _range_pins(report: AuditReport) -> list:
 
 
 def _conclude(
-    report: AuditReport, model_fp32: bool, threshold: float, float16_grads: bool = True
+    report: AuditReport,
+    model_fp32: bool,
+    threshold: float,
+    float16_grads: bool = True,
+    tensor_cores: bool = True,
 ) -> None:
     advice = report.advice
     over = [la for la in report.layers if la.overflow_risk]
@@ -410,7 +436,7 @@ def _conclude(
         for v in la.variables
         if float16_grads and (v.grad_overflow_at_scale or 0) > 0
     ]
-    pad = [la for la in report.layers if la.misaligned_dims]
+    pad = [la for la in report.layers if la.misaligned_dims] if tensor_cores else []
     proposed = _range_pins(report)
     if over and not proposed:
         first = over[0]
@@ -471,8 +497,8 @@ def _conclude(
     for la in pad:
         padded = ", ".join(f"{d} -> {-(-d // 8) * 8}" for d in la.misaligned_dims)
         advice.append(
-            f"Pad {la.name!r} ({la.class_name}) dimensions {padded}: tensor cores need "
-            "multiples of 8."
+            f"Pad {la.name!r} ({la.class_name}) dimensions {padded}: a GPU's tensor cores "
+            "need multiples of 8."
         )
     if over or proposed:
         report.verdict = (
