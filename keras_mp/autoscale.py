@@ -193,6 +193,9 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
     if wants_skip_only(model) and not isinstance(opt, keras.optimizers.LossScaleOptimizer):
         with DotNotTrackScope():
             model.optimizer = LossScaleOptimizer(opt, initial_scale=1.0, dynamic=False)
+        # Saved with the model: a loaded model (whose layers carry their policies, no
+        # keras_mp policy in sight) gets it back with its state.
+        model._compile_config.config["optimizer"] = model.optimizer
         return
     if not wants_keras_mp_scaler(model):
         return

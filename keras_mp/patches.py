@@ -11,6 +11,9 @@ converted or not:
 - every Keras optimizer's `apply` and `stateless_apply` check once, on first use, that
   they do not update float16 or lean bfloat16 weights unwrapped (`keras_mp.optimizer_guard`:
   one warning, nothing changed).
+- `keras.models.clone_model` warns once when the model it copies has bfloat16 weights: a
+  moving average kept in the copy and updated with `assign` stalls in bfloat16
+  (`keras_mp.lean.ema`; `kmp.lean.ema_update` is the fix). The copy is made as before.
 - on TensorFlow, `tf.distribute`'s collective broadcasts send the bfloat16, int8 and uint8
   values TensorFlow refuses as float32/int32 (`keras_mp.tf.distribute`); others untouched.
 - where keras_mp is what imports TensorFlow and `TF_CPP_MIN_LOG_LEVEL` is unset, it is set
@@ -79,10 +82,12 @@ def install() -> None:
     import keras
 
     import keras_mp.autoscale as autoscale
+    import keras_mp.lean.ema as lean_ema
     import keras_mp.optimizer_guard as optimizer_guard
 
     autoscale.install()
     optimizer_guard.install()
+    lean_ema.install()
     if keras.backend.backend() == "tensorflow":
         from keras_mp.tf.distribute import widen_collective_broadcasts
 
@@ -92,8 +97,10 @@ def install() -> None:
 def uninstall() -> None:
     """Gives Keras back its own `Model.compile` and optimizers' `apply`/`stateless_apply`;
     idempotent. Models compiled before keep the optimizer they were given."""
+    import keras_mp.lean.ema as lean_ema
     from keras_mp.keras_internals import BaseOptimizer, Trainer
 
+    lean_ema.uninstall()
     compile_ = Trainer.compile
     if getattr(compile_, "_keras_mp_autoscale", False):
         Trainer.compile = compile_.__wrapped__
@@ -105,7 +112,9 @@ def uninstall() -> None:
 
 def installed() -> dict:
     """What is installed now: `{"compile": bool, "optimizer_apply": bool,
-    "collective_broadcasts": bool or None}` (None: TensorFlow is not imported)."""
+    "collective_broadcasts": bool or None, "clone_model": bool}` (None: TensorFlow is not
+    imported)."""
+    import keras_mp.lean.ema as lean_ema
     from keras_mp.keras_internals import BaseOptimizer, Trainer
 
     out = {
@@ -114,6 +123,7 @@ def installed() -> dict:
             getattr(getattr(BaseOptimizer, n), "_keras_mp_guard", False) for n in _APPLY
         ),
         "collective_broadcasts": None,
+        "clone_model": lean_ema.installed(),
     }
     if "tensorflow" in sys.modules and sys.modules["tensorflow"] is not None:
         from tensorflow.python.ops import collective_ops

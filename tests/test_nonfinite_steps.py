@@ -194,3 +194,22 @@ def test_nonfinite_guard_stays_quiet_when_the_step_was_skipped():
     x, y = _digits()
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[guard])
     assert guard.diagnosis is None
+
+
+def test_skip_only_scaler_is_saved_and_gives_way_to_float16s_on_convert(tmp_path):
+    model = kmp.convert(_mlp(), "mixed_bfloat16")
+    model.compile("adam", loss=kmp.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _digits()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "Skipping variable loading for optimizer"
+        loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is kmp.LossScaleOptimizer and loaded.optimizer.skip_only
+    assert int(keras.ops.convert_to_numpy(loaded.optimizer.skipped_steps.value)) == 1
+    if keras.backend.backend() == "jax":
+        return  # JAX on CPU has no float16 dot
+    half = kmp.convert(model, "mixed_float16")
+    assert type(half.optimizer) is kmp.LossScaleOptimizer
+    assert half.optimizer.dynamic and not half.optimizer.skip_only

@@ -90,6 +90,7 @@ def test_import_hides_tensorflow_info_lines_unless_the_user_chose_a_level():
         "compile": True,
         "optimizer_apply": True,
         "collective_broadcasts": True,
+        "clone_model": True,
     }
     assert out["optimizer"] == "LossScaleOptimizer"
 
@@ -102,5 +103,6 @@ def test_keras_mp_no_patch_changes_nothing():
         "compile": False,
         "optimizer_apply": False,
         "collective_broadcasts": False,
+        "clone_model": False,
     }
     assert out["optimizer"] == "Adam"  # Keras' compile: pass kmp.LossScaleOptimizer yourself

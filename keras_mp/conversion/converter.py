@@ -391,10 +391,15 @@ def _compile_like(model: keras.Model, new: keras.Model, policy: Policy) -> None:
     from keras_mp.lean import LeanOptimizer
 
     config = keras.saving.deserialize_keras_object(config)
-    if isinstance(config.get("optimizer"), LeanOptimizer) and not policy.is_lean:
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, LeanOptimizer) and not policy.is_lean:
         # a lean model converted to float32 weights: its plain optimizer, which the
         # policy's own wrapping (`keras_mp.autoscale`) then gets
-        config["optimizer"] = config["optimizer"].plain_optimizer()
+        config["optimizer"] = optimizer.plain_optimizer()
+    elif getattr(optimizer, "skip_only", False):
+        # the fixed scale of 1 compile gave a bfloat16 or float32 model: the new policy
+        # wraps the plain optimizer its own way (float16: a dynamic scale)
+        config["optimizer"] = optimizer.inner_optimizer
     Trainer.compile(new, **config)
 
 
