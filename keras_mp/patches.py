@@ -18,7 +18,9 @@ converted or not:
   values TensorFlow refuses as float32/int32 (`keras_mp.tf.distribute`); others untouched.
 - where keras_mp is what imports TensorFlow and `TF_CPP_MIN_LOG_LEVEL` is unset, it is set
   to `"1"`: TensorFlow's C++ INFO lines (oneDNN, CUDA stubs, CPU features, XLA) are hidden,
-  its warnings and errors kept (set the variable yourself to choose).
+  its warnings and errors kept (set the variable yourself to choose). The lines TensorFlow
+  writes while it loads, before it reads the level, are filtered from stderr during that
+  import, as the `keras-mp` command does (`keras_mp.backend_logs`).
 
 To opt out, set `KERAS_MP_NO_PATCH=1` before `import keras_mp` (none of it is done), or
 call `kmp.patches.uninstall()` (`compile` and the optimizers' `apply` are Keras' own again;
@@ -48,6 +50,7 @@ __all__ = [
     "install",
     "installed",
     "quiet_tensorflow_info",
+    "start_quietly",
     "uninstall",
 ]
 
@@ -71,8 +74,25 @@ def quiet_tensorflow_info(environ=None) -> bool:
     return True
 
 
+def start_quietly() -> None:
+    """Imports Keras and its backend with stderr captured, passing on all but TensorFlow's
+    C++ log lines below `TF_CPP_MIN_LOG_LEVEL` (some are written before TensorFlow reads
+    the level); on TensorFlow also lists its devices, where it looks for CUDA and says there
+    is none. What the `keras-mp` command does, at the level `quiet_tensorflow_info` set."""
+    from keras_mp.backend_logs import captured_stderr, log_level
+
+    with captured_stderr(log_level()):
+        import keras
+
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()
+
+
 # Imported by keras_mp's `__init__` before anything imports Keras (and so TensorFlow).
-quiet_tensorflow_info()
+if quiet_tensorflow_info():
+    start_quietly()
 
 
 def install() -> None:

@@ -82,10 +82,10 @@ def test_import_hides_tensorflow_info_lines_unless_the_user_chose_a_level():
     """Issue 46: library use printed TensorFlow's C++ INFO lines the CLI hides."""
     out, stderr = _import_keras_mp()
     assert out["level"] == "1"  # set for TensorFlow, which keras_mp imported first
-    assert "cpu_feature_guard" not in stderr
-    for line in stderr.splitlines():  # only those written before TensorFlow reads the level
-        if line.startswith("I0000"):
-            assert "port.cc" in line or "cudart_stub.cc" in line, line
+    # INFO lines (some written before TensorFlow reads the level: filtered while it loads),
+    # absl's banner and "no CUDA GPU here" are gone; other stderr output is kept
+    assert "I0000" not in stderr and "absl::InitializeLog" not in stderr, stderr
+    assert "failed call to cuInit" not in stderr
     assert out["installed"] == {
         "compile": True,
         "optimizer_apply": True,
@@ -98,7 +98,7 @@ def test_import_hides_tensorflow_info_lines_unless_the_user_chose_a_level():
 @pytest.mark.tf_only
 def test_keras_mp_no_patch_changes_nothing():
     out, stderr = _import_keras_mp(KERAS_MP_NO_PATCH="1")
-    assert "cpu_feature_guard" in stderr  # TensorFlow's INFO lines as without keras_mp
+    assert "I0000" in stderr  # TensorFlow's INFO lines as without keras_mp
     assert out["installed"] == {
         "compile": False,
         "optimizer_apply": False,
