@@ -8,10 +8,16 @@ moves (100 steps: 0.000 of the way, float32: 0.095). `ema_update` does the arith
 float32 and writes a bfloat16 average back with the lean optimizer's unbiased stochastic
 rounding (`codecs.stochastic_round_bfloat16`, 16 random bits), so the average moves by
 the right amount on average; float32 (and float16) averages are written as computed.
+
+Where keras_mp sees such a copy made, it says so: `install()` (done by `import keras_mp`,
+`keras_mp/patches.py`) wraps `keras.models.clone_model` to warn once when the model cloned
+has bfloat16 trainable weights, naming `ema_update` and the float32 copy.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import keras
@@ -19,9 +25,19 @@ from keras import ops
 
 from keras_mp.lean import codecs
 
-__all__ = ["ema_update"]
+__all__ = ["CLONE_MESSAGE", "ema_update", "install", "installed", "uninstall"]
 
 _SEED: list = []
+_FLAG = "_keras_mp_clone_warning"
+
+CLONE_MESSAGE = (
+    "keras.models.clone_model: {name!r} has bfloat16 weights, and so has its clone. A "
+    "moving average (EMA, SWA, a teacher) kept in it and updated with `assign` runs in "
+    "bfloat16, which rounds small updates away (decay 0.999: it never moves). Update it "
+    "with `kmp.lean.ema_update(clone, model, decay)` (float32 math, stochastic rounding), "
+    "or keep the copy in float32: `kmp.convert(clone, 'float32')`. "
+    "See docs/custom-training.md."
+)
 
 
 def _variables(x: Any, what: str) -> list:
@@ -86,3 +102,35 @@ def ema_update(
             target.assign(codecs.stochastic_round_bfloat16(new, bits))
         else:
             target.assign(ops.cast(new, target.dtype))
+
+
+def _warning(clone_model):
+    @functools.wraps(clone_model)
+    def clone_model_warning_on_bfloat16(model, *args, **kwargs):
+        copy = clone_model(model, *args, **kwargs)
+        weights = getattr(model, "trainable_weights", [])
+        if any(keras.backend.standardize_dtype(v.dtype) == "bfloat16" for v in weights):
+            warnings.warn(CLONE_MESSAGE.format(name=model.name), UserWarning, stacklevel=2)
+        return copy
+
+    setattr(clone_model_warning_on_bfloat16, _FLAG, True)
+    return clone_model_warning_on_bfloat16
+
+
+def installed() -> bool:
+    """Whether `keras.models.clone_model` warns about bfloat16 copies."""
+    return bool(getattr(keras.models.clone_model, _FLAG, False))
+
+
+def install() -> None:
+    """Makes `keras.models.clone_model` warn when it copies a model with bfloat16 weights
+    (an average kept in the copy would stall); idempotent."""
+    if not installed():
+        keras.models.clone_model = _warning(keras.models.clone_model)
+
+
+def uninstall() -> None:
+    """Gives `keras.models.clone_model` back; idempotent."""
+    if installed():
+        keras.models.clone_model = keras.models.clone_model.__wrapped__
+
