@@ -65,11 +65,15 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     Works with `kmp.LossScaleOptimizer` and with Keras' own `LossScaleOptimizer` (which
     has no skip counter: skips are then derived from its `iterations`, counted from the
-    start of this `fit`). A model that trains without loss scaling and computes in no
-    float16 (`"mixed_bfloat16"`, `"float32"`, `"float8"`) has no scale to watch: the
-    monitor then adds nothing to the logs, says why once (`self.idle_reason`, and the
-    `keras_mp` logger), and lets the run go on, so a callback list survives switching the
-    policy. A float16 model without a `LossScaleOptimizer` is an error.
+    start of this `fit`). Under `"mixed_bfloat16"`, `"float32"` or `"float8"` compiled
+    through keras_mp (a fixed scale of 1 that only skips non-finite steps) and under
+    `"lean_bfloat16"` (`kmp.LeanOptimizer`'s own counter) it logs `skipped_steps` and
+    `overflow_rate`, with no scale to log. A model whose optimizer neither scales nor
+    skips (`auto_scale_loss=False`, no keras_mp policy) and that computes in no float16
+    has nothing to watch: the monitor then adds nothing to the logs, says why once
+    (`self.idle_reason`, and the `keras_mp` logger), and lets the run go on, so a callback
+    list survives switching the policy. A float16 model without a `LossScaleOptimizer`
+    is an error.
 
     Args:
         log_dir: optional directory for the scalars. `log_format="tensorboard"` writes
@@ -135,14 +139,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if step % self.every_n_steps:
             return
         scale, skipped = self._telemetry.scale(), self._counter.skipped()
+        values = {"loss_scale": scale, "skipped_steps": skipped}
+        if not self._telemetry.has_scale:
+            del values["loss_scale"]  # a static 1 that only skips, or lean's none
         if logs is not None:
-            logs["loss_scale"] = scale
-            logs["skipped_steps"] = skipped
+            logs.update(values)
         self.history["step"].append(step)
-        self.history["loss_scale"].append(scale)
-        self.history["skipped_steps"].append(skipped)
+        for key, value in values.items():
+            self.history[key].append(value)
         if self._writer is not None:
-            self._writer.write({"loss_scale": scale, "skipped_steps": skipped}, self._step0 + step)
+            self._writer.write(values, self._step0 + step)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.idle_reason:
@@ -151,6 +157,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         steps = self._counter.epoch_steps
         rate = (skipped - self._epoch_skipped0) / steps if steps else 0.0
         values = {"loss_scale": scale, "skipped_steps": skipped, "overflow_rate": rate}
+        if not self._telemetry.has_scale:
+            del values["loss_scale"]
         if logs is not None:
             logs.update(values)
         if self._writer is not None:
@@ -197,10 +205,12 @@ class CollapseGuard(keras.callbacks.Callback):
     Firing sets `model.stop_training = True` and logs the diagnosis (`action="stop"`), or
     raises `LossScaleCollapseError` (`action="raise"`). The diagnosis, also kept in
     `self.diagnosis` (with the step in `self.stopped_step`), says what happened and
-    names the variables whose gradients were non-finite in the last overflow. A model
-    that trains without loss scaling and computes in no float16 (`"mixed_bfloat16"`,
-    `"float32"`) has no scale to collapse: the guard then does nothing and says why once
-    (`self.idle_reason`); use `NonFiniteGuard` to stop such a run on a non-finite loss.
+    names the variables whose gradients were non-finite in the last overflow. A static
+    scale cannot collapse: under the fixed 1 of `"mixed_bfloat16"`, `"float32"` and
+    `"float8"` (compiled through keras_mp) and under `"lean_bfloat16"` only the skip rate
+    is judged. A model whose optimizer neither scales nor skips and that computes in no
+    float16 gives the guard nothing to read: it then does nothing and says why once
+    (`self.idle_reason`); use `NonFiniteGuard` to stop such a run.
 
     Args:
         patience: consecutive checks at the floor before firing.

@@ -161,6 +161,8 @@ class Telemetry:
         # A static scale (the fixed 1 of bfloat16 and float32, or lean's none) cannot
         # collapse: only the skip rate says anything about it.
         self.dynamic = not self.lean and (not keras_mp_scaler or opt.dynamic)
+        # no scale worth logging: lean's none, or the fixed 1 that only skips
+        self.has_scale = not self.lean and not getattr(opt, "skip_only", False)
 
     def scale(self) -> float:
         if self.lean:
