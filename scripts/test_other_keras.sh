@@ -53,10 +53,19 @@ SMOKE=(
   tests/test_export.py::test_signature_takes_and_returns_float32
   tests/test_fingerprint.py::test_recorder_in_a_custom_loop
   tests/test_lean_general.py::test_non_finite_gradient_changes_nothing
-  tests/test_lean_packing.py
+  tests/test_lean_packing.py::test_packed_state_layout_and_config
   tests/test_formats.py
   "tests/integration/test_keras_io_examples.py::test_vae_own_losses_add_up_in_float32[mixed_float16]"
   tests/integration/test_convert_models.py::test_convert_transformer_close_and_trains
+)
+# Numerics over many steps that no Keras version changes (the same keras_mp arithmetic on
+# keras.ops), the longest cases of the modules above: the main pass runs them.
+SAME_ON_ANY_KERAS=(
+  --deselect tests/test_float8.py::test_float8_training_tracks_mixed_bfloat16
+  --deselect tests/test_lean.py::test_int8_moments_follow_a_slow_average
+  --deselect tests/test_lean.py::test_small_updates_accumulate_under_kahan_not_under_nearest
+  --deselect tests/test_lean.py::test_int8_moments_stay_close_to_keras_adamw
+  --deselect tests/test_loss_scale.py::test_rule_matches_reference_on_thousands_of_sequences
 )
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$which" = nightly ]; then
@@ -66,4 +75,4 @@ if [ "$which" = nightly ]; then
     tests/test_keras_internals.py tests/test_steps_per_execution.py
 fi
 KERAS_BACKEND=tensorflow "$venv/bin/python" -m pytest \
-  -q -p no:cacheprovider "$@" "${MODULES[@]}" "${SMOKE[@]}"
+  -q -p no:cacheprovider "${SAME_ON_ANY_KERAS[@]}" "$@" "${MODULES[@]}" "${SMOKE[@]}"
