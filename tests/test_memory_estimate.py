@@ -110,6 +110,7 @@ def test_cli_memory_prints_the_table_and_exits_1_when_a_policy_does_not_fit(tmp_
         (["fit", "tiny_gpt", "--batch-size", "0"], "must be positive"),
         (["fit", "tiny_gpt", "--input-shapes", "a,b"], "--input-shapes"),
         (["fit", "tiny_gpt", "--device", "missing.txtpb"], "--device: no such"),
+        (["memory", "tiny_gpt", "--backend", "tensorflow"], "leave --backend out"),
     ],
 )
 def test_cli_memory_bad_arguments_give_one_line_and_status_2(argv, message, capsys):

@@ -141,6 +141,11 @@ def check(args: argparse.Namespace) -> None:
         _shapes(args.input_shapes)
     if args.device is not None and not os.path.isfile(args.device):
         raise FileNotFoundError(f"--device: no such device description: {args.device!r}")
+    if getattr(args, "backend", None) not in (None, "jax"):
+        raise ValueError(
+            f"--backend {args.backend}: the train step's memory is compiled by JAX whatever "
+            "backend the model was trained under; leave --backend out"
+        )
     if not installed("jax"):
         raise ValueError(
             "the train step's memory is read from JAX's compiler (XLA), and jax is not "
