@@ -25,8 +25,8 @@ import keras_mp.optimizer_guard as optimizer_guard
 from keras_mp.grad_finite import is_sparse, per_variable_finite
 from keras_mp.keras_internals import no_automatic_dependency_tracking
 from keras_mp.lean import codecs as lean_codecs
+from keras_mp.lean import factored, int4, packed_step, packing
 from keras_mp.lean import general as lean_general
-from keras_mp.lean import int4, packed_step, packing
 from keras_mp.lean import sharding as lean_sharding
 from keras_mp.lean.packed_step import SMALL as _SMALL
 from keras_mp.lean.rule import (
@@ -198,7 +198,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             general = lean_general.GeneralState(inner_optimizer)
             kind = general.kind
         _check_choice("rounding", rounding, lean_codecs.ROUNDINGS)
-        _check_choice("moments", moments, lean_codecs.MOMENT_FORMATS)
+        _check_choice("moments", moments, factored.MOMENT_CHOICES)
         for arg, value in (("block_size", block_size), ("min_quantized_size", min_quantized_size)):
             if value is None and arg == "block_size":
                 continue
@@ -251,7 +251,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         `"int8"` and `keras_mp.lean.int4.BLOCK` (128) for `"int4"`."""
         if self.block_size is not None:
             return self.block_size
-        return int4.BLOCK if self.moments == "int4" else 2048
+        return int4.BLOCK if factored.first_format(self.moments) == "int4" else 2048
 
     @property
     def general(self) -> bool:
@@ -264,16 +264,17 @@ class LeanOptimizer(keras.optimizers.Optimizer):
         size = 1
         for d in variable.shape:
             size *= int(d)
-        if self.moments in lean_codecs.QUANTIZED and size < self.min_quantized_size:
+        moments = factored.first_format(self.moments)  # "int4_factored": int4 but `v`
+        if moments in lean_codecs.QUANTIZED and size < self.min_quantized_size:
             return "float32"
-        return self.moments
+        return moments
 
     def _formats(self, variable) -> tuple:
         """`(first, second)`: the formats of `variable`'s moments, None for a moment its
         update has none of (SGD: a first moment with momentum only; no second)."""
         fmt = self._moment_format(variable)
         if self.kind in ("adam", "adamw"):
-            return fmt, fmt
+            return fmt, factored.second_format(self.moments, variable.shape, fmt)
         return (fmt if self.momentum > 0 else None), None
 
     def _compensation_dtype(self, weight_dtype: str) -> str | None:
@@ -283,10 +284,13 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             return None
         return "int8" if self.rounding == "kahan" else "bfloat16"
 
-    def _add_moment(self, variable, name: str, place, blocks, initial=None) -> tuple:
+    def _add_moment(self, variable, name: str, place, blocks, initial=None, fmt=None) -> tuple:
         """A moment's storage; `initial`: a callable of the format that gives the
-        initial `(codes, scales)` (default: zeros)."""
-        fmt = self._moment_format(variable)
+        initial `(codes, scales)` (default: zeros); `fmt`: its format (default:
+        `_moment_format`'s; `"factored"`: its row and column averages)."""
+        fmt = fmt or self._moment_format(variable)
+        if fmt == factored.FORMAT:
+            return factored.add_accumulators(self, variable, name, place)
         initial = initial(fmt) if initial is not None else (None, None)
         codes_shape, scales_shape = lean_codecs.moment_shapes(variable.shape, fmt, blocks)
         dtype = _codes_dtype(fmt)
@@ -340,7 +344,7 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             if self._general is None:  # the general path adds its slots below
                 for key, label, fmt in zip(("m", "v"), _LABELS, self._formats(variable)):
                     if fmt is not None:
-                        slot[key] = self._add_moment(variable, label, place, blocks)
+                        slot[key] = self._add_moment(variable, label, place, blocks, fmt=fmt)
             self._slots.append(slot)
         self._groups = packing.groups(
             [static for _, static in small],
