@@ -107,6 +107,17 @@ def run_policy(policy: str, base, data: dict, args) -> dict:
         loss = model.train_on_batch(x[step * bs : (step + 1) * bs], y[step * bs : (step + 1) * bs])
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
+        if args.log_every and (step + 1) % args.log_every == 0:
+            print(
+                json.dumps(
+                    {
+                        "policy": policy,
+                        "step": step + 1,
+                        "train_loss": float(np.mean(losses[-args.log_every :])),
+                    }
+                ),
+                flush=True,
+            )
     val = float(model.evaluate(vx, vy, batch_size=64, verbose=0))
     state = kmp.state_bytes(model)
     return {
@@ -150,6 +161,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=0,
+        help="print the mean training loss every N steps (0: only the final rows)",
+    )
     args = p.parse_args(argv)
 
     import keras
