@@ -223,6 +223,23 @@ def _data(n=64):
     return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0).astype("int32")
 
 
+def test_small_tensors_keep_the_int4_state_bit_for_bit():
+    """A model with no tensor of 65,536 values (as `keras-mp compare --model transformer`,
+    10,090 parameters) trains exactly as with `moments="int4"`: same variables, same bits."""
+    from _lean_helpers import mlp, np_, train
+
+    out = {}
+    for moments in ("int4", "int4_factored"):
+        model = kmp.convert(mlp(), "lean_bfloat16")
+        opt = kmp.LeanOptimizer(keras.optimizers.AdamW(1e-2), moments=moments)
+        weights = train(model, opt, steps=4)
+        out[moments] = weights + [np_(v.value) for v in opt.variables]
+        assert not any(v.path.endswith("_rows") for v in opt.variables)
+    assert len(out["int4"]) == len(out["int4_factored"])
+    for a, b in zip(out["int4"], out["int4_factored"]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_state_bytes_counts_the_accumulators():
     """The factored kernel's second moment is 4 * (64 + 1024) bytes instead of 4-bit codes
     and their scales (65,536 / 2 + 4 * 512); everything else is as with `"int4"`."""

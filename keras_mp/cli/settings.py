@@ -62,10 +62,10 @@ def lean_variant(policy: str) -> tuple | None:
     name, *variant = policy.split(":")
     if name != LEAN or len(variant) != 2:
         return None  # decided without importing Keras: `--help` and typos stay fast
-    from keras_mp.lean import codecs
+    from keras_mp.lean import codecs, factored
 
     rounding, moments = variant
-    if rounding not in codecs.ROUNDINGS or moments not in codecs.MOMENT_FORMATS:
+    if rounding not in codecs.ROUNDINGS or moments not in factored.MOMENT_CHOICES:
         return None
     return rounding, moments
 
