@@ -14,6 +14,9 @@ converted or not:
 - `keras.models.clone_model` warns once when the model it copies has bfloat16 weights: a
   moving average kept in the copy and updated with `assign` stalls in bfloat16
   (`keras_mp.lean.ema`; `kmp.lean.ema_update` is the fix). The copy is made as before.
+- `Layer.from_config` makes each layer with the global dtype policy set to its saved
+  dtype, so the sublayers a custom layer makes in `__init__` load in its dtype, not in
+  float32 beside a float16 parent (`keras_mp.sublayer_dtypes`).
 - on TensorFlow, `tf.distribute`'s collective broadcasts send the bfloat16, int8 and uint8
   values TensorFlow refuses as float32/int32 (`keras_mp.tf.distribute`); others untouched.
 - where keras_mp is what imports TensorFlow and `TF_CPP_MIN_LOG_LEVEL` is unset, it is set
@@ -104,10 +107,12 @@ def install() -> None:
     import keras_mp.autoscale as autoscale
     import keras_mp.lean.ema as lean_ema
     import keras_mp.optimizer_guard as optimizer_guard
+    import keras_mp.sublayer_dtypes as sublayer_dtypes
 
     autoscale.install()
     optimizer_guard.install()
     lean_ema.install()
+    sublayer_dtypes.install()
     if keras.backend.backend() == "tensorflow":
         from keras_mp.tf.distribute import widen_collective_broadcasts
 
@@ -118,9 +123,11 @@ def uninstall() -> None:
     """Gives Keras back its own `Model.compile` and optimizers' `apply`/`stateless_apply`;
     idempotent. Models compiled before keep the optimizer they were given."""
     import keras_mp.lean.ema as lean_ema
+    import keras_mp.sublayer_dtypes as sublayer_dtypes
     from keras_mp.keras_internals import BaseOptimizer, Trainer
 
     lean_ema.uninstall()
+    sublayer_dtypes.uninstall()
     compile_ = Trainer.compile
     if getattr(compile_, "_keras_mp_autoscale", False):
         Trainer.compile = compile_.__wrapped__
@@ -132,9 +139,10 @@ def uninstall() -> None:
 
 def installed() -> dict:
     """What is installed now: `{"compile": bool, "optimizer_apply": bool,
-    "collective_broadcasts": bool or None, "clone_model": bool}` (None: TensorFlow is not
-    imported)."""
+    "collective_broadcasts": bool or None, "clone_model": bool, "sublayer_dtypes": bool}`
+    (None: TensorFlow is not imported)."""
     import keras_mp.lean.ema as lean_ema
+    import keras_mp.sublayer_dtypes as sublayer_dtypes
     from keras_mp.keras_internals import BaseOptimizer, Trainer
 
     out = {
@@ -144,6 +152,7 @@ def installed() -> dict:
         ),
         "collective_broadcasts": None,
         "clone_model": lean_ema.installed(),
+        "sublayer_dtypes": sublayer_dtypes.installed(),
     }
     if "tensorflow" in sys.modules and sys.modules["tensorflow"] is not None:
         from tensorflow.python.ops import collective_ops

@@ -13,7 +13,6 @@ mid-save leaves the previous file whole.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import warnings
@@ -23,6 +22,7 @@ from typing import Any
 import keras
 from keras import ops
 
+import keras_mp.sublayer_dtypes as sublayer_dtypes
 from keras_mp.atomic import save_model, save_weights
 
 __all__ = ["load_model", "load_weights", "reapply_plan", "save_model", "save_weights"]
@@ -146,51 +146,6 @@ def _restore_container_policies(model: keras.Model, config: dict) -> int:
     return restored
 
 
-@contextlib.contextmanager
-def _parents_dtype_for_sublayers():
-    """While a model loads, each layer is made with the global dtype policy set to its own
-    saved dtype, so the sublayers a custom layer makes in `__init__` take its dtype.
-
-    keras.io's `TransformerBlock` makes its attention, feed-forward and norms in
-    `__init__` without a `dtype`: loaded, the block gets its saved `mixed_float16` and
-    they get the global float32, and its first call adds float16 to float32 (a TypeError
-    inside `keras.models.load_model`). Layers that pass their dtype on (Keras' own) are
-    unaffected; a saved `DTypePolicyMap` (a keras_hub model's) is left to its paths. The
-    global policy is restored after each layer and at the end.
-    """
-    layer_class = keras.layers.Layer
-    own = "from_config" in vars(layer_class)
-    inherited = layer_class.from_config.__func__
-
-    def from_config(cls, config):
-        saved = config.get("dtype") if isinstance(config, dict) else None
-        try:
-            policy = keras.dtype_policies.get(saved) if saved is not None else None
-        except (TypeError, ValueError):
-            policy = None
-        if (
-            policy is None
-            or isinstance(policy, keras.dtype_policies.DTypePolicyMap)
-            or policy.quantization_mode is not None  # float8/int8 layers make their own
-        ):
-            return inherited(cls, config)
-        previous = keras.config.dtype_policy()
-        keras.config.set_dtype_policy(keras.DTypePolicy(policy.name))
-        try:
-            return inherited(cls, config)
-        finally:
-            keras.config.set_dtype_policy(previous)
-
-    layer_class.from_config = classmethod(from_config)
-    try:
-        yield
-    finally:
-        if own:
-            layer_class.from_config = classmethod(inherited)
-        else:
-            del layer_class.from_config
-
-
 def load_model(
     filepath: str | os.PathLike,
     custom_objects: dict | None = None,
@@ -204,9 +159,9 @@ def load_model(
     and every registered object it names (e.g. `keras_mp>Float32`) is known. Each
     failure raises a `ValueError` (`FileNotFoundError` for a missing file) that names
     the file and the problem. A successful check then defers to Keras, each layer made
-    with the global dtype policy set to its saved dtype (sublayers a custom layer makes
-    in `__init__` take the global policy, not their parent's: float32 beside a float16
-    parent failed); nested
+    with the global dtype policy set to its saved dtype (`keras_mp.sublayer_dtypes`:
+    sublayers a custom layer makes in `__init__` take the global policy, not their
+    parent's; float32 beside a float16 parent failed); nested
     Sequential and functional models then get back the dtype policy their config saved
     (Keras gives them the global one, while their layers keep the saved one).
 
@@ -225,7 +180,7 @@ def load_model(
     """
     filepath = os.fspath(filepath)
     config = _check_archive(filepath, custom_objects)
-    with _parents_dtype_for_sublayers():
+    with sublayer_dtypes.scope():
         model = keras.models.load_model(
             filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
         )

@@ -91,6 +91,7 @@ def test_import_hides_tensorflow_info_lines_unless_the_user_chose_a_level():
         "optimizer_apply": True,
         "collective_broadcasts": True,
         "clone_model": True,
+        "sublayer_dtypes": True,
     }
     assert out["optimizer"] == "LossScaleOptimizer"
 
@@ -104,5 +105,6 @@ def test_keras_mp_no_patch_changes_nothing():
         "optimizer_apply": False,
         "collective_broadcasts": False,
         "clone_model": False,
+        "sublayer_dtypes": False,
     }
     assert out["optimizer"] == "Adam"  # Keras' compile: pass kmp.LossScaleOptimizer yourself

@@ -5,8 +5,9 @@
   (they used to be rounded to bfloat16 by the example's `TokenAndPositionEmbedding`
   before its `Embedding`: 256, 1000, and 2000, past the table).
 * A custom block that makes its sublayers in `__init__` (`TransformerBlock`) reloads
-  through `kmp.saving.load_model` with its sublayers in its dtype (they came back float32
-  beside a float16 block: a TypeError inside Keras' load).
+  through `kmp.saving.load_model` and plain `keras.saving.load_model` with its sublayers
+  in its dtype (they came back float32 beside a float16 block: a TypeError inside Keras'
+  load).
 * A loss that needs a small loss scale (as SimCLR's) skips few steps of a short run.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
+import keras_mp.sublayer_dtypes as sublayer_dtypes
 from keras_mp.conversion.runcheck import large_ids
 
 BACKEND = keras.backend.backend()
@@ -89,7 +91,22 @@ def test_custom_block_with_sublayers_made_in_init_reloads(policy, tmp_path):
     want = keras.ops.convert_to_numpy(keras.ops.cast(model(x), "float32"))
     path = str(tmp_path / "block.keras")
     model.save(path)
-    loaded = kmp.saving.load_model(path)  # raised a float16 + float32 TypeError
+    sublayer_dtypes.uninstall()  # as before: Keras made the sublayers in float32
+    try:
+        if BACKEND == "tensorflow":
+            with pytest.raises(TypeError, match="could not be deserialized"):
+                keras.saving.load_model(path)
+        else:  # JAX promotes float16 + float32: the attention silently runs in float32
+            assert keras.saving.load_model(path).layers[1].att.compute_dtype == "float32"
+        plain = kmp.saving.load_model(path)  # its own scope, even without the patch
+    finally:
+        sublayer_dtypes.install()
+    for loaded in (plain, keras.saving.load_model(path), kmp.saving.load_model(path)):
+        _assert_sublayers_in_the_blocks_dtype(loaded, x, want)
+    assert keras.config.dtype_policy().name == "float32"  # the global is restored
+
+
+def _assert_sublayers_in_the_blocks_dtype(loaded, x, want):
     block = loaded.layers[1]
     low = block.compute_dtype
     assert low != "float32"
@@ -99,7 +116,6 @@ def test_custom_block_with_sublayers_made_in_init_reloads(policy, tmp_path):
         assert matches and all(d == low for d in matches), (name, inner)
     got = keras.ops.convert_to_numpy(keras.ops.cast(loaded(x), "float32"))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    assert keras.config.dtype_policy().name == "float32"  # the global is restored
 
 
 def test_loss_needing_a_small_scale_skips_few_steps_of_a_short_run():
