@@ -144,7 +144,9 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             byte a parameter for Adam's two moments, so with the default rounding the
             state holds about 3.06 bytes a parameter in all), `"int8"` (with
             `rounding="kahan"`: 5 bytes, the default before 2026-12-03), `"bfloat16"`,
-            `"float32"`.
+            `"float32"`, or `"int4_factored"`: the first moment 4-bit, the second of each
+            tensor of rank >= 2 and 65536 values or more factored into float32 row and
+            column averages (`keras_mp.lean.factored`: about 2.55 bytes in all).
         block_size: values per scale of the quantized moments (default: 2048 for
             `"int8"`, 128 for `"int4"`).
         min_quantized_size: tensors with fewer elements keep float32 moments.

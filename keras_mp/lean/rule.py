@@ -13,6 +13,7 @@ from keras import ops
 
 from keras_mp.grad_finite import is_sparse
 from keras_mp.lean import codecs as lean_codecs
+from keras_mp.lean import factored
 
 __all__ = [
     "Hyper",
@@ -35,7 +36,7 @@ class Static(NamedTuple):
     shape: tuple
     weight_dtype: str
     m: str | None  # moment formats, None: no such moment
-    v: str | None
+    v: str | None  # `"factored"`: `v`/`v_scale` hold the row/column averages (`lean.factored`)
     blocks: lean_codecs.Blocks  # the 8-bit moments' blocks (`lean_sharding.blocks`)
 
 
@@ -128,9 +129,15 @@ def update(static: Static, hyper: Hyper, values: dict, noise) -> dict:
         update = update - w * (values["weight_decay"] * lr)
     if hyper.kind in ("adam", "adamw"):
         m = moment("m", True)
-        v = moment("v", False)
         m = m + (g - m) * (1.0 - hyper.beta_1)
-        v = v + (values.get("grad_square", ops.square(g)) - v) * (1.0 - hyper.beta_2)
+        square = values.get("grad_square", ops.square(g))
+        if static.v == factored.FORMAT:  # row and column averages (`lean.factored`)
+            v, out["v"], out["v_scale"] = factored.second_moment(
+                values["v"], values["v_scale"], square, hyper.beta_2
+            )
+        else:
+            v = moment("v", False)
+            v = v + (square - v) * (1.0 - hyper.beta_2)
         alpha = (
             lr
             * ops.sqrt(1.0 - ops.power(hyper.beta_2, step))
@@ -138,7 +145,8 @@ def update(static: Static, hyper: Hyper, values: dict, noise) -> dict:
         )
         update = update - alpha * m / (ops.sqrt(v) + hyper.epsilon)
         store("m", m, True, noise_m)
-        store("v", v, False, noise_v)
+        if static.v != factored.FORMAT:
+            store("v", v, False, noise_v)
     elif static.m is not None:
         m = hyper.momentum * moment("m", True) - lr * g
         update = update + (hyper.momentum * m - lr * g if hyper.nesterov else m)
