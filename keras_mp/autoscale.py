@@ -23,10 +23,12 @@ own `"mixed_bfloat16"`) the optimizer becomes `kmp.LossScaleOptimizer(optimizer,
 initial_scale=1, dynamic=False)`: nothing is scaled, but a step with a non-finite gradient
 changes no weight and no slot, and is counted (`skipped_steps`), as under float16.
 
-`compile(..., auto_scale_loss=False)` turns all of it off, as in Keras. Keras' own
-`"mixed_float16"` (`keras.mixed_precision.set_global_policy`) is treated as keras_mp's: the
-scaler Keras wraps the optimizer in becomes `kmp.LossScaleOptimizer` (bounded, and it
-notices a loss that was never scaled instead of dividing its gradients by the scale).
+`compile(..., auto_scale_loss=False)` turns all of it off, as in Keras. Under Keras' own
+`"mixed_float16"` (`keras.mixed_precision.set_global_policy`, no keras_mp policy in sight)
+a model with its own `train_step` is treated as under keras_mp's: the scaler Keras wraps
+the optimizer in becomes `kmp.LossScaleOptimizer`, which notices a loss that was never
+scaled (keras.io's distillation) instead of dividing its gradients by the scale. A plain
+Keras model on Keras' `train_step` (which scales its loss) keeps Keras' own wrapping.
 A model with its own `train_step` compiled with no optimizer (a GAN's `super().compile()`,
 which keeps its optimizers as attributes) is left with Keras' default, unwrapped: those
 its `train_step` applies are checked by `keras_mp.optimizer_guard` instead.
@@ -74,7 +76,9 @@ def wants_keras_mp_scaler(model: keras.Model) -> bool:
     any layer's), whichever policy made it: a keras_mp policy (a `DTypePolicyMap` or
     `kmp.Policy` on the model, or `kmp.set_global_policy`), Keras' own `"mixed_float16"`
     (`keras.mixed_precision.set_global_policy`), or layers carrying their own policies
-    (a loaded converted model, which Keras would not wrap at all).
+    (a loaded converted model, which Keras would not wrap at all). Where Keras wraps a
+    plain Keras model itself, compile keeps Keras' scaler unless the model has its own
+    `train_step` (see the module docstring).
 
     Args:
         model: A Keras model.
@@ -205,7 +209,14 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
             warnings.warn(stock_scaler_message(model), UserWarning, stacklevel=3)
             optimizer_guard.exempt(opt.inner_optimizer)
             return
-        inner = opt.inner_optimizer  # Keras' own wrapping: its scaler is replaced
+        own_step = type(model).train_step is not keras.Model.train_step
+        if not _keras_mp_policy_in_sight(model) and not own_step:
+            # Keras' own wrapping of plain Keras code, whose `train_step` scales the
+            # loss: left as it was (importing keras_mp changes no plain Keras run)
+            return
+        # A `train_step` of the user's own may never call `scale_loss` (keras.io's
+        # distillation): Keras' scaler would divide its gradients by the scale anyway.
+        inner = opt.inner_optimizer
     else:
         inner = opt  # Keras did not wrap at all
     with DotNotTrackScope():

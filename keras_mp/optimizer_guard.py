@@ -140,8 +140,13 @@ def _guarded(method):
 
 
 def install() -> None:
-    """Makes `apply` and `stateless_apply` of every Keras optimizer check once (idempotent)."""
-    for name in ("apply", "stateless_apply"):
-        method = getattr(BaseOptimizer, name)
-        if not getattr(method, "_keras_mp_guard", False):
-            setattr(BaseOptimizer, name, _guarded(method))
+    """Makes `apply` and `stateless_apply` of every Keras optimizer check once (idempotent).
+
+    Keras' `LossScaleOptimizer` defines its own: they are wrapped too, so that the optimizer
+    it wraps (given scaled gradients) counts as applied inside it, and is not checked.
+    """
+    for cls in (BaseOptimizer, keras.optimizers.LossScaleOptimizer):
+        for name in ("apply", "stateless_apply"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_keras_mp_guard", False):
+                setattr(cls, name, _guarded(method))

@@ -62,12 +62,12 @@ def test_explicit_stock_scaler_is_kept_with_a_warning():
         kmp.convert(converted, "mixed_float16")  # convert says so too
 
 
-def test_keras_spelling_is_treated_as_keras_mp_and_auto_scale_off_is_left_alone():
-    keras.config.set_dtype_policy("mixed_float16")  # Keras' own spelling (issue 47.1)
+def test_plain_keras_policy_auto_scale_off_and_bfloat16():
+    keras.config.set_dtype_policy("mixed_float16")  # no keras_mp policy in sight
     plain = _model()
     plain.compile(optimizer="adam", loss="mse")
-    assert type(plain.optimizer) is kmp.LossScaleOptimizer  # not Keras' unbounded one
-    assert type(plain.optimizer.inner_optimizer) is keras.optimizers.Adam
+    assert type(plain.optimizer) is keras.optimizers.LossScaleOptimizer  # Keras' own
+    # (a model with its own train_step gets keras_mp's: tests/integration/test_keras_spelling)
     converted = kmp.convert(_model("n"), "mixed_float16")
     converted.compile(optimizer="adam", loss="mse", auto_scale_loss=False)
     assert type(converted.optimizer) is keras.optimizers.Adam
