@@ -14,10 +14,17 @@ import os
 import subprocess
 import sys
 
-if __name__ == "__main__":  # the subprocess side: 4 JAX host devices, set before imports
-    os.environ["KERAS_BACKEND"] = "jax"
+if __name__ == "__main__":  # the subprocess side: its devices, set before imports
+    os.environ["KERAS_BACKEND"] = "jax" if sys.argv[1:] == ["jax"] else "tensorflow"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if sys.argv[1:] == ["mirrored"]:  # 2 logical CPUs, before TensorFlow starts
+        import tensorflow as tf
+
+        tf.config.set_logical_device_configuration(
+            tf.config.list_physical_devices("CPU")[0],
+            [tf.config.LogicalDeviceConfiguration()] * 2,
+        )
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -364,30 +371,27 @@ def _jax_worker() -> None:
     print(json.dumps(out))
 
 
-@pytest.mark.slow  # about 40 s: five trainings in a JAX process with 4 host devices
-@pytest.mark.tf_only  # the subprocess picks its own backend: run once per suite
-def test_sharded_factored_state_matches_one_device():
+def _worker(mode: str) -> dict:
+    """Runs this file's subprocess side in `mode` and returns its JSON line."""
     env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
     )
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "jax"],
+        [sys.executable, os.path.abspath(__file__), mode],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _assert_matches(out: dict) -> None:
+    """Each distributed run's averages within 1% (mean) and its weights within 3% of the
+    movement of the one-device run's: bfloat16 gradients summed across devices in another
+    order, and the stochastic roundings turning a one-ulp difference into another draw."""
     single = out.pop("single")
-    assert set(single["averages"]) == {
-        "up_kernel_velocity_rows", "up_kernel_velocity_cols",
-        "down_kernel_velocity_rows", "down_kernel_velocity_cols",
-    }
     for name, entry in out.items():
-        assert entry["replicated"], name  # the averages: whole on every device
-        if name.startswith("model_parallel") or name.endswith("split"):
-            assert entry["momentum_split"], name  # the 4-bit first moment: split
         for key, value in single["averages"].items():
-            # the same squared gradients (bfloat16, summed across devices in another order)
             got, want = np.array(entry["averages"][key]), np.array(value)
             assert np.abs(got - want).mean() < 1e-2 * np.abs(want).mean(), (name, key)
         gap = np.mean([
@@ -401,6 +405,65 @@ def test_sharded_factored_state_matches_one_device():
         assert moved > 0 and gap < 0.03 * moved, (name, gap, moved)
 
 
+@pytest.mark.slow  # about 40 s: five trainings in a JAX process with 4 host devices
+@pytest.mark.tf_only  # the subprocess picks its own backend: run once per suite
+def test_sharded_factored_state_matches_one_device():
+    out = _worker("jax")
+    assert set(out["single"]["averages"]) == {
+        "up_kernel_velocity_rows", "up_kernel_velocity_cols",
+        "down_kernel_velocity_rows", "down_kernel_velocity_cols",
+    }
+    for name, entry in out.items():
+        if name != "single":
+            assert entry["replicated"], name  # the averages: whole on every device
+            assert entry["momentum_split"], name  # the 4-bit first moment: split
+    _assert_matches(out)
+
+
+def _mirrored_worker() -> None:
+    """The same model on one device and under a `MirroredStrategy` of 2 logical CPUs
+    (TensorFlow's per-variable update in the strategy's update context): one JSON line."""
+    import contextlib
+
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 64)).astype("float32")
+    y = rng.normal(size=(64, 64)).astype("float32")
+
+    def run(strategy):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((64,))
+            h = keras.layers.Dense(1024, activation="relu", name="up")(inputs)
+            outputs = keras.layers.Dense(64, name="down")(h)
+            model = kmp.convert(keras.Model(inputs, outputs), "lean_bfloat16")
+            opt = kmp.LeanOptimizer(keras.optimizers.AdamW(1e-2), moments="int4_factored")
+            model.compile(optimizer=opt, loss="mse")
+        init = [np_(v.value).tolist() for v in model.trainable_variables]
+        model.fit(x, y, batch_size=16, shuffle=False, epochs=1, verbose=0)
+        return {
+            "weights": [np_(w).tolist() for w in opt.weights_float32()],
+            "init": init,
+            "averages": {
+                v.path.split("/")[-1]: np_(v.value).tolist()
+                for v in opt.variables
+                if v.path.endswith(("_rows", "_cols"))
+            },
+        }
+
+    mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    out = {"single": run(None), "mirrored": run(mirrored)}
+    print(json.dumps(out))
+
+
+@pytest.mark.slow  # about 30 s: two trainings in a TensorFlow process with 2 logical CPUs
+@pytest.mark.tf_only
+def test_mirrored_factored_state_matches_one_device():
+    out = _worker("mirrored")
+    assert set(out["mirrored"]["averages"]) == set(out["single"]["averages"]) != set()
+    _assert_matches(out)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["jax"]:
-        _jax_worker()
+    {"jax": _jax_worker, "mirrored": _mirrored_worker}[sys.argv[1]]()
