@@ -3,13 +3,13 @@
 The face of the subpackage: `LeanOptimizer` (`optimizer.py`), its pure update rule
 (`rule.py`) and its packed form for many variables at once (`packing.py`; the optimizer's
 packed groups and whole-step update, `packed_step.py`), the storage
-formats (`codecs.py`), the general path for any other Keras
-optimizer (`general.py`), the state's layout across devices (`sharding.py`) and
+formats (`codecs.py`; the factored second moment, `factored.py`), the general path for
+any other Keras optimizer (`general.py`), the state's layout across devices (`sharding.py`) and
 `state_bytes` (`memory.py`); `ema_update` (`ema.py`), moving averages of lean weights
 that move.
 """
 
-from keras_mp.lean import codecs, general, packing, rule, sharding
+from keras_mp.lean import codecs, factored, general, packing, rule, sharding
 from keras_mp.lean.ema import ema_update
 from keras_mp.lean.memory import StateBytes, state_bytes, variable_bytes
 from keras_mp.lean.optimizer import (
@@ -28,6 +28,7 @@ __all__ = [
     "StateBytes",
     "codecs",
     "ema_update",
+    "factored",
     "general",
     "lean_rule",
     "packing",
