@@ -25,7 +25,9 @@ TF_EXAMPLES = {
     "custom_loop_tf": ["true grad norm       inf", "steps skipped"],
     "convert_fp32_model": ["weights carried over exactly: True", "probs                  float32"],
     "export_saved_model": ["signature input float32", "output float32"],
-    "lean_finetune": ["mixed_bfloat16  LossScaleOptimizer", "lean_bfloat16   LeanOptimizer", "nats/byte"],
+    "lean_finetune": [
+        "mixed_bfloat16  LossScaleOptimizer", "lean_bfloat16   LeanOptimizer", "nats/byte"
+    ],
     "tensorboard_monitoring": (
         ["TensorBoard logs in", "epoch_loss_scale", "skipped_steps", "epoch_loss"]
         if importlib.util.find_spec("tensorboard")
