@@ -41,6 +41,13 @@ decoder blocks (each block's forward recomputed in the backward pass); the recor
 
 (BENCHMARKS.md section 13 has every command and the table.)
 
+`--model llama3_8b` (BENCHMARKS.md, "8B full fine-tune, per device") does the same for
+`keras_hub.models.Llama3CausalLM` on a `Llama3Backbone` of Llama-3-8B's shapes
+(8,030,261,248 parameters, sequence 2048; RematScope names its `transformer_layer_*`
+blocks), `--model gemma7b` for Gemma-7B's (sequence 2048); `--peak-buffers` adds what is
+live at the peak, by kind (`peak_memory.py`: weight gradients held for the update,
+activations saved for the backward pass, ...).
+
 `--tiny` builds a small model (vocabulary 512, 2 layers) to check the pipeline in seconds.
 """
 
@@ -58,7 +65,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 GIB = 2**30
-SEQUENCE = 1024
+SEQUENCE = 1024  # Gemma-2B's (section 13); each model's own below
 
 # keras_hub's gemma_2b_en (2,506,172,416 parameters; the preset's own config is on Kaggle).
 GEMMA_2B = dict(
@@ -80,6 +87,47 @@ TINY = dict(
     intermediate_dim=256,
     head_dim=16,
 )
+# keras_hub's llama3_8b_en: 8,030,261,248 parameters (untied output embedding).
+LLAMA3_8B = dict(
+    vocabulary_size=128256,
+    num_layers=32,
+    num_query_heads=32,
+    num_key_value_heads=8,
+    hidden_dim=4096,
+    intermediate_dim=14336,
+    rope_max_wavelength=500000,
+)
+LLAMA_TINY = dict(
+    vocabulary_size=512,
+    num_layers=2,
+    num_query_heads=8,
+    num_key_value_heads=2,
+    hidden_dim=64,
+    intermediate_dim=256,
+)
+# keras_hub's gemma_7b_en: 8,537,680,896 parameters.
+GEMMA_7B = dict(
+    vocabulary_size=256000,
+    num_layers=28,
+    num_query_heads=16,
+    num_key_value_heads=16,
+    hidden_dim=3072,
+    intermediate_dim=49152,
+    head_dim=256,
+)
+# --model: (backbone, task, full-size kwargs, twin kwargs, sequence, decoder block name).
+MODELS = {
+    "gemma2b": ("GemmaBackbone", "GemmaCausalLM", GEMMA_2B, TINY, SEQUENCE, "decoder_block_"),
+    "gemma7b": ("GemmaBackbone", "GemmaCausalLM", GEMMA_7B, TINY, 2048, "decoder_block_"),
+    "llama3_8b": (
+        "Llama3Backbone",
+        "Llama3CausalLM",
+        LLAMA3_8B,
+        LLAMA_TINY,
+        2048,
+        "transformer_layer_",
+    ),
+}
 POLICIES = {
     "stock_mixed_bfloat16": "mixed_bfloat16",
     "keras_mp_mixed_bfloat16": "mixed_bfloat16",
@@ -111,7 +159,9 @@ def devices_for(target, count: int) -> list:
     return list(topology.devices)[:count]
 
 
-def distribution_for(mesh: str, devices: list, layout: str = "kv_replicated"):
+def distribution_for(
+    mesh: str, devices: list, layout: str = "kv_replicated", model: str = "gemma2b"
+):
     """`(distribution, batch)`: a keras.distribution over `devices` and the global batch."""
     import keras
     import keras_hub
@@ -126,8 +176,9 @@ def distribution_for(mesh: str, devices: list, layout: str = "kv_replicated"):
     if b * m != n:
         raise SystemExit(f"--mesh {mesh}: {b * m} devices, not {n}")
     dmesh = keras.distribution.DeviceMesh((b, m), ["batch", "model"], devices)
-    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(dmesh)
-    if layout == "kv_replicated":
+    backbone, _, kwargs, *_ = MODELS[model]
+    layout_map = getattr(keras_hub.models, backbone).get_layout_map(dmesh)
+    if layout == "kv_replicated" and kwargs["num_key_value_heads"] % m:
         # Gemma-2B has one key/value head: keras_hub's map splits the kernels' head axis
         # (size 1) over "model", which no sharding can do (IndivisibleError). Keep the
         # query's layout; the key/value kernels are split over "batch" on the hidden axis
@@ -139,24 +190,32 @@ def distribution_for(mesh: str, devices: list, layout: str = "kv_replicated"):
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"), b
 
 
-def _causal_lm(keras_hub, kwargs, dtype=None):
-    backbone = keras_hub.models.GemmaBackbone(**kwargs, dtype=dtype)
-    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+def _causal_lm(keras_hub, kwargs, dtype=None, model: str = "gemma2b"):
+    backbone, task, *_ = MODELS[model]
+    backbone = getattr(keras_hub.models, backbone)(**kwargs, dtype=dtype)
+    return getattr(keras_hub.models, task)(backbone=backbone, preprocessor=None)
 
 
-def keras_mp_plan(dtype: str, num_layers: int) -> tuple:
+def keras_mp_plan(dtype: str, num_layers: int, model: str = "gemma2b") -> tuple:
     """`(causal_lm_config, {variable path: dtype})` of `kmp.convert(model, dtype)` for a
-    twin of the model with `num_layers` decoder blocks at tiny sizes (built for real)."""
+    twin of `model` with `num_layers` decoder blocks at tiny sizes (built for real)."""
     import keras
     import keras_hub
 
     import keras_mp as kmp
 
     keras.config.set_dtype_policy("float32")
-    twin = _causal_lm(keras_hub, dict(TINY, num_layers=num_layers))
+    twin_kwargs = dict(MODELS[model][3], num_layers=num_layers)
+    twin = _causal_lm(keras_hub, twin_kwargs, model=model)
     converted = kmp.convert(twin, kmp.Policy(dtype), check=None)
     dtypes = {v.path: v.dtype for v in converted.variables}
     return converted.get_config(), dtypes
+
+
+def _record_name(model: str, kwargs: dict) -> str:
+    if kwargs == MODELS[model][2]:
+        return {"gemma2b": "gemma_2b", "gemma7b": "gemma_7b"}.get(model, model)
+    return "gemma_tiny" if model == "gemma2b" else f"{model}_tiny"
 
 
 def _forget_uninitialised() -> None:
@@ -182,7 +241,7 @@ class _entered:
             scope.__exit__(*exc)
 
 
-def build(policy: str, kwargs: dict, distribution, remat: bool):
+def build(policy: str, kwargs: dict, distribution, remat: bool, model_name: str = "gemma2b"):
     """The compiled (Keras `compile`, not XLA) model and built optimizer, all variables
     unmaterialised. Returns `(model, forced)`: `forced` counts variables whose dtype was
     set from the keras_mp twin's."""
@@ -194,14 +253,15 @@ def build(policy: str, kwargs: dict, distribution, remat: bool):
 
     dtype = POLICIES[policy]
     stock = policy.startswith("stock_")
-    config, dtypes = (None, {}) if stock else keras_mp_plan(dtype, kwargs["num_layers"])
+    num_layers = kwargs["num_layers"]
+    config, dtypes = (None, {}) if stock else keras_mp_plan(dtype, num_layers, model_name)
     keras.config.set_dtype_policy(dtype if stock else "float32")
     keras.utils.set_random_seed(0)
 
     def scopes(with_remat=True):
         found = [] if distribution is None else [distribution.scope()]
         if remat and with_remat:
-            names = [f"decoder_block_{i}" for i in range(kwargs["num_layers"])]
+            names = [f"{MODELS[model_name][5]}{i}" for i in range(num_layers)]
             found.append(keras.RematScope(mode="list_of_layers", layer_names=names))
         return found
 
@@ -218,13 +278,13 @@ def build(policy: str, kwargs: dict, distribution, remat: bool):
     else:
         loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
     forced = 0
-    task = keras_hub.models.GemmaCausalLM
+    task = getattr(keras_hub.models, MODELS[model_name][1])
     compile_method = task.compile
     with StatelessScope(initialize_variables=False), _entered(scopes()):
         task.compile = lambda self, *args, **kwargs: None
         try:
             if stock:
-                model = _causal_lm(keras_hub, kwargs)
+                model = _causal_lm(keras_hub, kwargs, model=model_name)
             else:
                 config["backbone"]["config"].update(kwargs)
                 model = task.from_config(config)
@@ -240,9 +300,18 @@ def build(policy: str, kwargs: dict, distribution, remat: bool):
                 v._dtype = want  # unmaterialised: the dtype is only metadata
                 forced += 1
             v._initialize_layout()
-    model.compile(optimizer=optimizer, loss=loss, weighted_metrics=[])
+    if remat:
+        # Keras' RematScope hands `training=True` to jax.checkpoint, which traces it, and
+        # keras.layers.Dropout branches on it in Python (`if training and ...`): Llama's
+        # blocks call their rate-0 dropouts unconditionally. Those are the identity.
+        for layer in model._flatten_layers():
+            if isinstance(layer, keras.layers.Dropout) and layer.rate == 0:
+                layer.call = lambda inputs, training=None: inputs
+    # Stock: Keras' compile as it is (keras_mp, imported here, would wrap a
+    # "mixed_bfloat16" model's optimizer in its skip-only LossScaleOptimizer).
+    model.compile(optimizer=optimizer, loss=loss, weighted_metrics=[], auto_scale_loss=not stock)
     with StatelessScope(initialize_variables=False), _entered(scopes(with_remat=False)):
-        optimizer.build(model.trainable_variables)
+        model.optimizer.build(model.trainable_variables)
     _forget_uninitialised()
     return model, forced
 
@@ -271,7 +340,16 @@ def _shard_bytes(struct) -> int:
     return math.prod(shape) * np.dtype(struct.dtype).itemsize
 
 
-def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str) -> dict:
+def step_record(
+    policy: str,
+    kwargs: dict,
+    devices: list,
+    mesh: str,
+    layout: str,
+    model_name: str = "gemma2b",
+    sequence: int = SEQUENCE,
+    peak_dir: str | None = None,
+) -> dict:
     import jax
     import jax.numpy as jnp
     from xla_memory import _analysis, hlo_flops
@@ -280,15 +358,15 @@ def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str
     if base not in POLICIES:
         raise SystemExit(f"unknown policy {base!r}; one of {sorted(POLICIES)}")
     start = time.perf_counter()
-    distribution, batch = distribution_for(mesh, devices, layout)
-    model, forced = build(base, kwargs, distribution, suffix == "remat")
+    distribution, batch = distribution_for(mesh, devices, layout, model_name)
+    model, forced = build(base, kwargs, distribution, suffix == "remat", model_name)
     if distribution is None:
         default = jax.sharding.SingleDeviceSharding(devices[0])
         data_sharding = default
     else:
         backend_mesh = distribution.device_mesh.backend_mesh
         default = jax.sharding.NamedSharding(backend_mesh, jax.sharding.PartitionSpec())
-        data_sharding = distribution.get_data_layout((batch, SEQUENCE)).backend_layout
+        data_sharding = distribution.get_data_layout((batch, sequence)).backend_layout
 
     def abstract(variables):
         return [
@@ -302,7 +380,7 @@ def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str
         abstract(model.optimizer.variables),
         abstract(model.metrics_variables),
     )
-    tokens = jax.ShapeDtypeStruct((batch, SEQUENCE), jnp.int32, sharding=data_sharding)
+    tokens = jax.ShapeDtypeStruct((batch, sequence), jnp.int32, sharding=data_sharding)
     x = {"token_ids": tokens, "padding_mask": tokens}
     data = (x, tokens, None)
     weights = sum(_shard_bytes(s) for s in state[0] + state[1])
@@ -320,10 +398,10 @@ def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str
     analysis = _analysis(compiled)
     record = {
         "kind": "gemma_step",
-        "model": "gemma_2b" if kwargs == GEMMA_2B else "gemma_tiny",
+        "model": _record_name(model_name, kwargs),
         "backbone_kwargs": kwargs,
         "parameters": int(params),
-        "sequence": SEQUENCE,
+        "sequence": sequence,
         "batch": batch,
         "policy": base,
         "remat": "RematScope(list_of_layers: decoder blocks)" if suffix == "remat" else None,
@@ -340,6 +418,11 @@ def step_record(policy: str, kwargs: dict, devices: list, mesh: str, layout: str
         **analysis,
         "compile_s": round(time.perf_counter() - start, 1),
     }
+    if peak_dir is not None:
+        from peak_memory import peak_buffer_record
+
+        shapes = [s.sharding.shard_shape(s.shape) for s in state[0]]
+        record.update(peak_buffer_record(peak_dir, shapes, compiled.as_text()))
     return record
 
 
@@ -367,10 +450,27 @@ def main(argv=None) -> int:
         "as they decide on this host (keras_hub's einsum attention on a CPU)",
     )
     parser.add_argument("--tiny", action="store_true", help="a small model, to check the pipeline")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="gemma2b",
+        help="gemma2b (section 13), llama3_8b (Llama3Backbone, sequence 2048) or gemma7b",
+    )
+    parser.add_argument("--sequence", type=int, default=None, help="default: the model's")
+    parser.add_argument(
+        "--peak-buffers",
+        action="store_true",
+        help="also classify the buffers live at the peak (XLA's buffer assignment): "
+        "gradient-shaped, weight-sized and other bytes (peak_memory.py)",
+    )
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
     args = parser.parse_args(argv)
     if args.target:
         os.environ["JAX_PLATFORMS"] = "cpu"  # the host runs Keras; XLA:GPU only compiles
+    if args.peak_buffers:
+        from peak_memory import dump_buffer_assignments
+
+        dump_dir = dump_buffer_assignments()
     import jax
     import keras
     from xla_memory import _answer_flash_attention_as_a_gpu
@@ -382,16 +482,29 @@ def main(argv=None) -> int:
     if flash == "on":
         _answer_flash_attention_as_a_gpu()
         # keras_hub's Gemma attention takes the fused op only where jax.devices() has a GPU
+        # (Llama's takes it wherever JAX has jax.nn.dot_product_attention)
         from keras_hub.src.models.gemma import gemma_attention
 
         gemma_attention.running_on_gpu = lambda: True
     mesh = args.mesh or ("model" if args.devices > 1 else "none")
     devices = devices_for(args.target, args.devices)
-    kwargs = TINY if args.tiny else GEMMA_2B
+    _, _, full, tiny, model_sequence, _ = MODELS[args.model]
+    kwargs = tiny if args.tiny else full
+    sequence = args.sequence or model_sequence
     status = 0
     for policy in args.policies.split(","):
         try:
-            record = step_record(policy, kwargs, devices, mesh, args.layout_map)
+            record = step_record(
+                policy,
+                kwargs,
+                devices,
+                mesh,
+                args.layout_map,
+                args.model,
+                sequence,
+                dump_dir if args.peak_buffers else None,
+            )
+
         except Exception as error:  # a failed configuration is recorded, with why
             status = 1
             record = {
@@ -400,7 +513,7 @@ def main(argv=None) -> int:
                 "devices": args.devices,
                 "mesh": mesh,
                 "layout_map": args.layout_map if args.devices > 1 else None,
-                "model": "gemma_tiny" if args.tiny else "gemma_2b",
+                "model": _record_name(args.model, kwargs),
                 "error": f"{type(error).__name__}: {error}"[:2000],
             }
         record.update(
