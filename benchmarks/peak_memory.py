@@ -29,7 +29,7 @@ import os
 import re
 import tempfile
 
-__all__ = ["dump_buffer_assignments", "peak_buffer_record", "peak_values"]
+__all__ = ["dump_buffer_assignments", "peak_buffer_record", "peak_values", "phase_peaks"]
 
 GIB = 2**30
 _PEAK = re.compile(r"^\s*Live ranges at (\d+) \(peak\):\s*$")
@@ -130,6 +130,56 @@ def peak_buffer_record(dump_dir: str, shapes: list, hlo_text: str) -> dict:
     # definition through its last use, no buffer sharing between values)
     record["peak_replayed_gib"] = round(replayed / GIB, 3)
     record["peak_without_held_gradients_gib"] = round(held / GIB, 3)
+    return record
+
+
+def phase_peaks(dump_dir: str, shapes: list, hlo_text: str) -> dict:
+    """The replay's peaks by phase of the newest train step: before the first backward-pass
+    value (`forward`), up to the last one made (`backward`), after it (`update`); each with
+    the weight gradients held (`_held`) and freed where made (`_freed`). GiB. The split
+    is at the first value whose `op_name` is the backward pass's: where XLA schedules a
+    small one early (the loss's, on a tiny model; stock's 8B step) the forward phase is cut
+    short, so read the phases against the peak's kinds.
+
+    Args:
+        dump_dir: the directory `dump_buffer_assignments` returned.
+        shapes: the trainable variables' shapes (per device).
+        hlo_text: the compiled module's text.
+
+    Returns:
+        A dict of GiB, keys `phase_{forward,backward,update}_{held,freed}_gib`.
+    """
+    files = glob.glob(os.path.join(dump_dir, "*train_step*live-range.txt"))
+    newest = max(files, key=lambda path: int(re.search(r"module_(\d+)", path).group(1)))
+    with open(newest) as f:
+        text = f.read()
+    sizes = {math.prod(shape) for shape in shapes}
+    instructions = _instructions(hlo_text)
+    values = []
+    for line in text.splitlines():
+        found = _RANGE.match(line)
+        if found:
+            name, index, start, end = found.groups()
+            kind, size = _kind(name, index, instructions, sizes)
+            if size:
+                backward = "transpose(" in instructions.get(name, ([], ""))[1]
+                values.append((int(start), int(end), kind, size, backward))
+    first = min(v[0] for v in values if v[4])
+    last = max(v[0] for v in values if v[4])
+    total = max(v[1] for v in values) + 2
+    phases = {"forward": (0, first), "backward": (first, last + 1), "update": (last + 1, total)}
+    record = {}
+    for held in (True, False):
+        live = [0] * (total + 1)
+        for start, end, kind, size, _ in values:
+            stop = start + 1 if kind == "weight_gradients" and not held else end + 1
+            live[start] += size
+            live[stop] -= size
+        for t in range(1, total + 1):
+            live[t] += live[t - 1]
+        for phase, (a, b) in phases.items():
+            key = f"phase_{phase}_{'held' if held else 'freed'}_gib"
+            record[key] = round(max(live[a:b], default=0) / GIB, 3)
     return record
 
 
