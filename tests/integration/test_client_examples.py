@@ -51,10 +51,13 @@ def test_client_example_trains_under_both_mixed_policies(kind, policy):
         assert isinstance(mixed.optimizer, kmp.LossScaleOptimizer)
         assert len(history.history["loss_scale"]) == 3
         assert monitor.idle_reason is None
-    else:
-        assert not isinstance(mixed.optimizer, keras.optimizers.LossScaleOptimizer)
+    else:  # bfloat16: no scale, but a non-finite step is skipped and counted
+        assert isinstance(mixed.optimizer, kmp.LossScaleOptimizer)
+        config = mixed.optimizer.loss_scale_config
+        assert (config.dynamic, config.initial_scale) == (False, 1.0)
         assert "loss_scale" not in history.history
-        assert "bfloat16" in monitor.idle_reason and guard.idle_reason
+        assert history.history["skipped_steps"] == [0, 0, 0]
+        assert monitor.idle_reason is None and guard.idle_reason is None
     # Master weights stay float32, and the original model is untouched.
     assert all(v.dtype == "float32" for v in mixed.trainable_variables)
     assert all(v.dtype == "float32" for v in model.trainable_variables)
