@@ -166,7 +166,8 @@ def test_bfloat16_weights_follow_mixed_bfloat16_training(rounding, moments, boun
         _train(model, kmp.LeanOptimizer(inner, rounding=rounding, moments=moments), steps=8)
     opt = model.optimizer
     assert isinstance(opt, kmp.LeanOptimizer) and opt.kind == "adamw"
-    assert (opt.rounding, opt.moments) == (rounding or "stochastic", moments or "int4")
+    default = ("stochastic", kmp.lean.DEFAULT_MOMENTS)  # a small model: int4's bits
+    assert (opt.rounding, opt.moments) == (rounding or default[0], moments or default[1])
     exact = [np_(w) for w in opt.weights_float32()]
     init = [np_(v.value) for v in _mlp().trainable_variables]
     for a, b, w0 in zip(ref, exact, init):
@@ -184,7 +185,9 @@ def test_bfloat16_weights_follow_mixed_bfloat16_training(rounding, moments, boun
 def test_lean_state_bytes():
     model = kmp.convert(_mlp(), "lean_bfloat16")
     model.compile(optimizer="adamw", loss="mse")
-    assert (model.optimizer.rounding, model.optimizer.moments) == ("stochastic", "int4")
+    assert (model.optimizer.rounding, model.optimizer.moments) == (
+        "stochastic", kmp.lean.DEFAULT_MOMENTS  # no tensor factored here: int4's bytes
+    )
     lean = kmp.state_bytes(model)
     mixed = kmp.convert(_mlp(), "mixed_bfloat16")
     mixed.compile(optimizer="adamw", loss="mse")

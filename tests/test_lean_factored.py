@@ -291,6 +291,16 @@ def test_gpt2_state_bytes():
     assert 3.0 < per["int4"] < 3.2 and 2.5 < per["int4_factored"] < 2.65, per
 
 
+def test_the_default_is_factored():
+    """By the rule (BENCHMARKS 17: within 1% of float32 on 3 seeds of text_lm.py), the
+    lean state `compile("adamw")` gets: stochastic rounding, int4 + factored moments."""
+    model = _model()
+    model.compile(optimizer="adamw", loss="mse")
+    opt = model.optimizer
+    assert (opt.rounding, opt.moments) == ("stochastic", "int4_factored")
+    assert kmp.state_bytes(model).per_parameter < 2.63
+
+
 def test_save_load_and_resume_bit_identical(tmp_path):
     from _lean_helpers import assert_resume_bit_identical, train_batches
 

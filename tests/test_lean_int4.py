@@ -127,7 +127,8 @@ def _gpt2():
 
 def test_the_default_stochastic_int4_holds_3_bytes_a_parameter_on_gpt2():
     model = kmp.convert(_gpt2(), "lean_bfloat16")
-    model.compile(optimizer="adamw", loss="mse")  # the default lean state
+    # the default until 2026-12-05 (now "int4_factored": tests/test_lean_factored.py)
+    model.compile(optimizer=kmp.LeanOptimizer(keras.optimizers.AdamW(), moments="int4"), loss="mse")
     opt = model.optimizer
     assert (opt.rounding, opt.moments, opt.block_length) == ("stochastic", "int4", 128)
     opt.build(model.trainable_variables)

@@ -43,11 +43,13 @@ from keras_mp.lean.rule import (
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 
 # The default state, chosen by measurement (docs/lean.md, "The defaults, by measurement"):
-# stochastic rounding and 4-bit moments, the lightest state within 1% of float32's
-# validation loss on both seeds of benchmarks/text_lm.py (about 3.06 bytes a parameter on a
-# transformer). Files saved with the earlier default keep theirs: the config names both.
+# stochastic rounding, a 4-bit first moment and a factored second one (2026-12-05; 4-bit
+# both until then), the lightest state within 1% of float32's validation loss on every
+# seed of benchmarks/text_lm.py (BENCHMARKS 17: about 2.55 bytes a parameter on a GPT-2,
+# 2.77 on text_lm's model). Files saved with an earlier default keep theirs: the config
+# names both.
 DEFAULT_ROUNDING = "stochastic"
-DEFAULT_MOMENTS = "int4"
+DEFAULT_MOMENTS = "int4_factored"
 _FLAT_BLOCK = 128  # the longest block of a packed group's quantized moments
 
 # Optimizer classes whose state LeanOptimizer knows how to keep (exact types: a subclass
@@ -140,13 +142,14 @@ class LeanOptimizer(keras.optimizers.Optimizer):
             the fused path.
         rounding: how bfloat16 weights absorb updates: `"stochastic"` (default),
             `"kahan"` or `"kahan16"`.
-        moments: storage of the moments: `"int4"` (default; two codes a byte: about 1
-            byte a parameter for Adam's two moments, so with the default rounding the
-            state holds about 3.06 bytes a parameter in all), `"int8"` (with
+        moments: storage of the moments: `"int4_factored"` (default since 2026-12-05):
+            the first moment 4-bit, the second of each tensor of rank >= 2 and 65536
+            values or more factored into float32 row and column averages
+            (`keras_mp.lean.factored`; smaller tensors as `"int4"`): about 2.55 bytes a
+            parameter in all with the default rounding; `"int4"` (two codes a byte for
+            both moments: about 3.06 bytes, the default from 2026-12-03), `"int8"` (with
             `rounding="kahan"`: 5 bytes, the default before 2026-12-03), `"bfloat16"`,
-            `"float32"`, or `"int4_factored"`: the first moment 4-bit, the second of each
-            tensor of rank >= 2 and 65536 values or more factored into float32 row and
-            column averages (`keras_mp.lean.factored`: about 2.55 bytes in all).
+            `"float32"`.
         block_size: values per scale of the quantized moments (default: 2048 for
             `"int8"`, 128 for `"int4"`).
         min_quantized_size: tensors with fewer elements keep float32 moments.
