@@ -98,7 +98,7 @@ def state_bytes(
     ```python
     model = kmp.convert(model, "lean_bfloat16")
     model.compile(optimizer="adamw", loss="mse")
-    kmp.state_bytes(model).per_parameter      # about 3.06 (mixed_bfloat16 with AdamW: 12)
+    kmp.state_bytes(model).per_parameter      # about 2.55 on a GPT-2 (mixed_bfloat16: 12)
     ```
     """
     if not isinstance(model, keras.Model) or not (model.built or model.variables):

@@ -3,7 +3,8 @@
 `LeanOptimizer` runs Adam, AdamW or SGD (with or without momentum) with the update
 arithmetic in float32 inside the train step, and stores what persists between steps
 compactly (`keras_mp.lean.codecs`): by default bfloat16 weights rounded stochastically
-and block-wise 4-bit moments (about 3 bytes a parameter; `rounding="kahan"` with
+a block-wise 4-bit first moment and a factored second one (about 2.55 bytes a parameter
+on a large transformer; 4-bit both, 3.06, from 2026-12-03; `rounding="kahan"` with
 `moments="int8"`, 5 bytes, was the default before 2026-12-03). Any other Keras optimizer
 (RMSprop, Adafactor, Lion, Muon...) keeps the same storage and runs its own update on
 the decoded float32 state (`keras_mp.lean.general`). Under the `"lean_bfloat16"` policy a model's
@@ -124,9 +125,11 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     - a step with an inf or NaN in any gradient leaves every weight and moment as they
       were, and is counted in the `skipped_steps` variable (`kmp.callbacks.LossScaleMonitor`
       logs it, as it logs float16's skipped steps).
-    - the moments are stored as `moments="int4"` (the default: block-wise 4-bit codes,
-      two a byte, with a float32 scale per `block_size` values; about 1.06 bytes a
-      parameter for Adam's two moments), `"int8"` (8-bit codes: 2 bytes),
+    - the moments are stored as `moments="int4_factored"` (the default: the first moment
+      as `"int4"`, the second of large matrices as float32 row and column averages),
+      `"int4"` (block-wise 4-bit codes, two a byte, with a float32 scale per `block_size`
+      values; about 1.06 bytes a parameter for Adam's two moments), `"int8"` (8-bit
+      codes: 2 bytes),
       `"bfloat16"` or `"float32"`. Tensors smaller than `min_quantized_size` keep float32
       moments (biases and norm scales: a negligible share of the parameters).
 
