@@ -40,6 +40,8 @@ def _saved_policy(config):
         return None
     if policy.quantization_mode is not None:  # float8/int8 layers make their own state
         return None
+    if not keras.backend.is_float_dtype(policy.compute_dtype):
+        return None  # an `InputLayer`'s "dtype" is its tensor's (int32 token ids): no policy
     return policy
 
 
