@@ -44,6 +44,9 @@ __all__ = [
     "no_automatic_dependency_tracking",
     "reduce_weighted_values",
     "set_keras_mask",
+    "stored_value",
+    "track_optimizer_variables",
+    "untracked_optimizer_variables",
 ]
 
 # The Keras versions keras_mp is tested on: [oldest, first unsupported). Keep setup.cfg's
@@ -181,3 +184,32 @@ StatelessScope = _find("StatelessScope")
 in_stateless_scope = _find("in_stateless_scope")
 get_input_signature = _find("get_input_signature")
 make_input_spec = _find("make_input_spec")
+
+
+def untracked_optimizer_variables(optimizer, exclude=()) -> list:
+    """Variables `optimizer` keeps as plain attributes outside its `variables` (Nadam's
+    `_u_product`, made in `build` while a wrapper's `build` has tracking off), in a fixed
+    order; `exclude`: variables that are not its own (the model's)."""
+    seen = {id(v) for v in list(optimizer.variables) + list(exclude)}
+    out = []
+    for name in sorted(optimizer.__dict__):
+        value = optimizer.__dict__[name]
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, keras.Variable) and id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def track_optimizer_variables(optimizer, variables) -> None:
+    """Appends `variables` to `optimizer.variables` (Keras' own `_track_variable`)."""
+    for v in variables:
+        optimizer._track_variable(v)
+
+
+def stored_value(variable):
+    """`variable`'s value as stored, not autocast: the current stateless scope's, if that
+    maps it, else the variable's own."""
+    scope = global_state.get_global_attribute("stateless_scope")
+    value = scope.get_current_value(variable) if scope is not None else None
+    return variable._value if value is None else value

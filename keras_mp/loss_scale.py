@@ -11,7 +11,6 @@ and it uses the same rule on the stateful path (TensorFlow, PyTorch) and on
 from __future__ import annotations
 
 import dataclasses
-import threading
 import warnings
 
 import keras
@@ -23,6 +22,7 @@ from keras_mp.grad_finite import is_sparse as _is_sparse
 from keras_mp.grad_finite import per_variable_finite as _per_variable_finite
 from keras_mp.grad_finite import sparse_values as _values
 from keras_mp.grad_finite import with_static_shape as _with_static_shape
+from keras_mp.loss_scale_marks import NOT_SCALED_MESSAGE, mark_scaled, take_scaled
 from keras_mp.loss_scale_rule import (
     LossScaleConfig,
     LossScaleState,
@@ -38,35 +38,6 @@ __all__ = [
     "update_loss_scale",
 ]
 
-
-# Which optimizers had `scale_loss` called since their last `apply`, per thread (a
-# MirroredStrategy traces each replica's step in its own thread). Set and read while the
-# step is traced (or run eagerly), so the compiled step knows it as a constant.
-_SCALED = threading.local()
-
-
-def _mark_scaled(optimizer) -> None:
-    if not hasattr(_SCALED, "ids"):
-        _SCALED.ids = set()
-    _SCALED.ids.add(id(optimizer))
-
-
-def _take_scaled(optimizer) -> bool:
-    ids = getattr(_SCALED, "ids", set())
-    scaled = id(optimizer) in ids
-    ids.discard(id(optimizer))
-    return scaled
-
-
-_NOT_SCALED_MESSAGE = (
-    "LossScaleOptimizer {name!r}: gradients were applied but the loss was never scaled "
-    "(`optimizer.scale_loss(loss)` was not called since the last step), as in a custom "
-    "train_step or training loop written for float32. They are applied as they are, not "
-    "divided by the scale; non-finite steps are still skipped. Float16 gradients below "
-    "6e-8 underflow to zero unscaled: scale the loss inside the tape, "
-    "`loss = self.optimizer.scale_loss(loss)`, before `tape.gradient` "
-    "(see docs/custom-training.md)."
-)
 
 _STATE_VARIABLES = {
     # LossScaleState field -> optimizer variable attribute
@@ -211,18 +182,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns:
             `loss * scale`.
         """
-        _mark_scaled(self)
+        mark_scaled(self)
         if self.skip_only:
             return loss
         return super().scale_loss(loss)
 
     def _scaled_this_step(self) -> bool:
-        scaled = _take_scaled(self)
+        scaled = take_scaled(self)
         if self.skip_only:
             return False  # nothing to divide by, nothing to warn about
         if not scaled and not getattr(self, "_warned_not_scaled", False):
             self._warned_not_scaled = True
-            warnings.warn(_NOT_SCALED_MESSAGE.format(name=self.name), UserWarning, stacklevel=4)
+            warnings.warn(NOT_SCALED_MESSAGE.format(name=self.name), UserWarning, stacklevel=4)
         return scaled
 
     def _config_for(self, scaled: bool) -> LossScaleConfig:
@@ -233,8 +204,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- state ---------------------------------------------------------------------
 
-    @keras_internals.no_automatic_dependency_tracking
     def build(self, var_list):
+        # Built with tracking off, as Keras' own wrapper builds it, a variable the inner
+        # optimizer keeps as a plain attribute (Nadam's `_u_product`) is left out of its
+        # `variables`: JAX's stateless step dropped its update (a wrapped Nadam trained
+        # differently from a plain one) and saving dropped its value. It is adopted here, at
+        # the end of the list, whatever the caller's tracking (see `load_own_variables`).
+        with keras_internals.DotNotTrackScope():
+            self.inner_optimizer.build(var_list)
+        adopted = keras_internals.untracked_optimizer_variables(self.inner_optimizer, var_list)
+        keras_internals.track_optimizer_variables(self.inner_optimizer, adopted)
+        self._adopted = len(adopted)
+        self._build_own(var_list)
+
+    @keras_internals.no_automatic_dependency_tracking
+    def _build_own(self, var_list):
         init = initial_loss_scale_state(self.loss_scale_config, len(var_list))
 
         def add(name, value, dtype):
@@ -258,7 +242,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.skipped_steps = add("skipped_steps", init.skipped_steps, "int32")
         self.last_overflow_step = add("last_overflow_step", init.last_overflow_step, "int32")
         self.nonfinite_mask = add("nonfinite_mask", init.nonfinite_mask, "int32")
-        self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
     def _read_state(self) -> LossScaleState:
@@ -366,46 +349,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._apply_and_update(grads, trainable_variables, _per_variable_finite(grads), scaled)
 
     def _tf_apply(self, grads, trainable_variables=None):
-        """TensorFlow: under a strategy, all replicas decide on the same all-reduced flags."""
-        import tensorflow as tf
+        from keras_mp.tf.loss_scale_apply import apply_in_replica
 
-        from keras_mp.tf.distribute import check_jit_compile
-
-        if tf.distribute.in_cross_replica_context():
-            raise ValueError("apply() must be called in a replica context.")
-        check_jit_compile()
-        scaled = self._scaled_this_step()
-        # `grads` are this replica's own (the inner optimizer all-reduces them later), so
-        # agree on the flags first: every replica then skips or applies together.
-        ctx = tf.distribute.get_replica_context()
-        per_var = _per_variable_finite(grads)
-        if ctx.num_replicas_in_sync > 1:
-            bad = ctx.all_reduce("sum", ops.cast(ops.logical_not(per_var), "float32"))
-            per_var = ops.equal(bad, 0.0)
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._apply_and_update(grads, trainable_variables, per_var, scaled)
-            return
-
-        def cross_replica(distribution, grads, trainable_variables, per_var):
-            per_var = distribution.experimental_local_results(per_var)[0]  # all equal
-            finite = ops.all(per_var)
-            state = self._read_state()
-            step = self._step_index()
-
-            def apply_fn():
-                def replica_apply(grads, tvs):
-                    scale = self.dynamic_scale.value
-                    unscaled = self._unscale(grads, tvs or self._trainable_variables, scale, scaled)
-                    self.inner_optimizer.apply(unscaled, trainable_variables=tvs)
-
-                distribution.extended.call_for_each_replica(
-                    replica_apply, args=(grads, trainable_variables)
-                )
-
-            ops.cond(finite, apply_fn, lambda: None)
-            self._write_state(update_loss_scale(state, per_var, step, self._config_for(scaled)))
-
-        ctx.merge_call(cross_replica, args=(grads, trainable_variables, per_var))
+        apply_in_replica(self, grads, trainable_variables)
 
     # -- helpers -------------------------------------------------------------------
 
@@ -440,6 +386,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if index < len(weights) and np.shape(weights[index]) != (0,):
                 weights[index] = np.zeros((0,), "int32")
         super().set_weights(weights)
+
+    def load_own_variables(self, store):
+        """Keras' loading; a file written before keras_mp kept the inner optimizer's
+        attribute variables (Nadam's `_u_product`, the last ones) loads all but those,
+        which keep their initial values, with a warning."""
+        saved = len(store.keys())
+        adopted = getattr(self, "_adopted", 0)
+        if self.built and adopted and saved == len(self.variables) - adopted:
+            for i, variable in enumerate(self.variables[:saved]):
+                variable.assign(store[str(i)])
+            names = [v.path for v in self.variables[saved:]]
+            warnings.warn(
+                f"{type(self).__name__} {self.name!r}: the file holds no value for "
+                f"{names} (written by Keras' own LossScaleOptimizer, or by keras_mp before "
+                "it kept them); they start from their initial values.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        super().load_own_variables(store)
 
     def get_config(self):
         config = super().get_config()

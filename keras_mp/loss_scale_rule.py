@@ -184,11 +184,14 @@ def update_loss_scale(
 def _backoff(state: LossScaleState, step: Any, config: LossScaleConfig):
     """This backoff's factor: `backoff_factor`, or `backoff_factor ** k` for the k-th
     backoff before the first finite step (read off the state: every step up to this one
-    was skipped, `skipped_steps == step`; no state of its own to save)."""
+    was skipped, `skipped_steps == step`; no state of its own to save). The powers are a
+    table made on the host (`backoff_factor ** k` in float64, rounded once): a backend's
+    float32 `pow` can differ from another's in the last bit (TensorFlow's 0.9 ** 7)."""
     skipped = ops.cast(state.skipped_steps, "int32")
     never_held = ops.equal(skipped, ops.cast(step, "int32"))
     k = ops.minimum(ops.maximum(skipped - (config.hysteresis - 1), 0) + 1, 32)
-    fast = ops.power(ops.full((), config.backoff_factor, "float32"), ops.cast(k, "float32"))
+    powers = np.array([config.backoff_factor**n for n in range(33)], "float32")
+    fast = ops.take(ops.convert_to_tensor(powers), k)
     return ops.where(never_held, fast, ops.full((), config.backoff_factor, "float32"))
 
 

@@ -403,8 +403,9 @@ def test_layer_norm_and_gelu_kernels_need_less_temporary_memory_than_keras():
     """TF allocator peak of value-and-gradients in a tf.function, above what is in use before,
     in units of the 4096 x 1024 bfloat16 input: measured layer norm 4.0x (rows in blocks;
     17x in one block: XLA:CPU materialises float32 reduction inputs) vs Keras' 10.0x, GELU
-    1.0x vs Keras' 4.0x. The peaks move together by about one input from machine to machine
-    (CI's 2-core runner: GELU 1.94x vs 4.94x), so GELU is held to the gap, 3 inputs less."""
+    1.0x vs Keras' 4.0x. The peaks move by about one input from machine to machine, as the
+    executor overlaps ops (CI's 2-core runners: GELU 1.94x vs 4.94x, and 1.0x vs 3.0x under
+    Keras 3.12), so GELU is held to 2 inputs less and at most two thirds of Keras'."""
     import tensorflow as tf
 
     from keras_mp.activations import gelu
@@ -435,7 +436,7 @@ def test_layer_norm_and_gelu_kernels_need_less_temporary_memory_than_keras():
     ours, stock = norms
     assert ours <= 5.0 and ours <= 0.6 * stock, (ours, stock)
     ours, stock = peak(gelu), peak(keras.activations.gelu)
-    assert stock - ours >= 2.5 and ours <= 0.5 * stock, (ours, stock)
+    assert stock - ours >= 2.0 and ours <= 2.0 and ours <= 0.67 * stock, (ours, stock)
 
 
 @pytest.mark.tf_only

@@ -58,11 +58,6 @@ def _stock_muon_fails() -> str | None:
 def test_each_optimizer_trains_like_mixed_bfloat16(name):
     if name == "muon" and (why := _stock_muon_fails()):
         pytest.skip(why)
-    if name == "nadam" and keras.backend.backend() == "jax":
-        # Known bug (found 2026-12-06): on JAX, kmp.LossScaleOptimizer(Nadam) even at a fixed
-        # scale of 1 does not follow plain Nadam (5 steps: 4.5e-3 apart; TensorFlow: 0.0), so
-        # the mixed_bfloat16 reference, which compile now wraps, trains differently.
-        pytest.xfail("kmp.LossScaleOptimizer(Nadam) on JAX departs from plain Nadam")
     make, slots = OPTIMIZERS[name]
     # float32 weights and float32 slots: the optimizer's own update, exactly
     ref = _train(_mlp(), make(), steps=2)

@@ -33,7 +33,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_mp.keras_internals import BaseOptimizer, global_state
+from keras_mp.keras_internals import BaseOptimizer, global_state, untracked_optimizer_variables
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import sharding as lean_sharding
 from keras_mp.lean.rule import is_sparse, noise_seed, read, variable_seed
@@ -309,15 +309,7 @@ class GeneralState:
 def _state_variables(inner, placeholders) -> list:
     """The optimizer's variables, and those it keeps as plain attributes outside its
     tracked list (Nadam's `_u_product`), in a fixed order."""
-    out = list(inner.variables)
-    seen = {id(v) for v in out + list(placeholders)}
-    for name in sorted(inner.__dict__):
-        value = inner.__dict__[name]
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, keras.Variable) and id(v) not in seen:
-                seen.add(id(v))
-                out.append(v)
-    return out
+    return list(inner.variables) + untracked_optimizer_variables(inner, placeholders)
 
 
 def _constant(value):
