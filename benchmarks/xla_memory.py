@@ -149,13 +149,19 @@ def hlo_flops(lowered):
 
 
 def step_record(
-    model_name: str, policy: str, keep_fp32=None, sharding=None, remat_layers=()
+    model_name: str,
+    policy: str,
+    keep_fp32=None,
+    sharding=None,
+    remat_layers=(),
+    recompute: bool = False,
 ) -> dict:
     """Compiles (does not run) one train step of `model_name` under a harness `policy`
     (for the device of `sharding`; default: the local one). `policy@remat` compiles it with
     the harness' `@remat` memory limit (XLA's rematerialization; XLA:GPU only);
     `remat_layers` (layer-name prefixes) builds the model under Keras' `RematScope`
-    naming those layers of each block (`remat_scope`)."""
+    naming those layers of each block (`remat_scope`); `recompute` applies
+    `kmp.recompute_elementwise` (matmul and attention outputs saved, the rest recomputed)."""
     import jax
     import numpy as np
 
@@ -170,6 +176,10 @@ def step_record(
     start = time.perf_counter()
     with remat_scope(workload, remat_layers):
         model = _compiled_model(workload, base, True, keep_fp32)
+    if recompute:
+        from keras_mp.recompute import recompute_elementwise
+
+        recompute_elementwise(model)
     x, y = workload.data(np.random.default_rng(0))
     model._symbolic_build(data_batch=(x[:1], y[:1], None))
     model.optimizer.build(model.trainable_variables)
@@ -190,6 +200,7 @@ def step_record(
         "policy": base,
         "xla_options": options,
         "remat_layers": list(remat_layers) or None,
+        "recompute_elementwise": recompute,
         "hlo_flops": flops,
         "keep_fp32": None if keep_fp32 is None else list(keep_fp32),
         **_analysis(compiled),
@@ -262,6 +273,11 @@ def main(argv=None) -> int:
         default=None,
         help="the @remat rows' memory limit, percent of the GPU's memory (default: the harness' 5)",
     )
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="kmp.recompute_elementwise: save matmul and attention outputs, recompute the rest",
+    )
     parser.add_argument("--logits", action="store_true", help="also the logits-region records")
     parser.add_argument("--no-steps", action="store_true", help="only the logits records")
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
@@ -301,7 +317,8 @@ def main(argv=None) -> int:
             records += logits_records(model_name, sharding)
         if not args.no_steps:
             records += [
-                step_record(model_name, p, keep, sharding, remat) for p in args.policies.split(",")
+                step_record(model_name, p, keep, sharding, remat, args.recompute)
+                for p in args.policies.split(",")
             ]
     if sharding is not None:
         device = f"{args.target} (compile only: {sharding.device_set.pop().device_kind})"

@@ -44,6 +44,7 @@ from keras_mp.policies import (
     global_policy,
     set_global_policy,
 )
+from keras_mp.recompute import recompute_elementwise
 from keras_mp.tf.export import export_saved_model  # imports tensorflow only when called
 from keras_mp.version import __version__
 
@@ -62,6 +63,7 @@ __all__ = [
     "LossScaleOptimizer",
     "lean",
     "state_bytes",
+    "recompute_elementwise",
     "activations",
     "formats",
     "layers",

@@ -90,6 +90,8 @@ def _passthrough(args) -> list:
         out += ["--intra-op", str(args.intra_op), "--inter-op", str(args.inter_op)]
     if args.remat_layers:
         out += ["--remat-layers", ",".join(args.remat_layers)]
+    if args.recompute:
+        out.append("--recompute")
     return out
 
 
@@ -157,6 +159,8 @@ def _table(rows: list) -> str:
         jit = ("on" if r["jit_compile"] else "off") + (", remat" if r.get("xla_remat") else "")
         if r.get("remat_layers"):
             jit += f", RematScope({','.join(r['remat_layers'])})"
+        if r.get("recompute_elementwise"):
+            jit += ", recompute_elementwise"
         lines.append(
             f"| {r['model']} | {r['policy']} | {jit} | "
             f"{r['step_ms_median']:.1f} | {r['units_per_s']:.0f} | {r['tflops']:.3g} | "
@@ -242,6 +246,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "TensorFlow's compiled step (default: none)",
     )
     p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="kmp.recompute_elementwise on every keras_mp and stock row's model (JAX): matmul "
+        "and attention outputs kept for the backward pass, the element-wise work recomputed",
+    )
+    p.add_argument(
         "--budget",
         type=float,
         default=0,
@@ -293,6 +303,7 @@ def _measure(args, model_name: str, policy: str) -> dict:
         args.intra_op,
         args.inter_op,
         args.remat_layers,
+        args.recompute,
     )
 
 

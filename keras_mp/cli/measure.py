@@ -223,7 +223,7 @@ def _strict_fp32(backend: str):
         restore()
 
 
-def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32):
+def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32, steps_per_execution=1):
     import keras
 
     dtype = POLICIES[policy]
@@ -248,7 +248,12 @@ def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32):
         loss = kmp_losses.SparseCategoricalCrossentropy(from_logits=True)
         if dtype == "mixed_float16":
             optimizer = kmp.LossScaleOptimizer(optimizer)
-    model.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
+    model.compile(
+        optimizer=optimizer,
+        loss=loss,
+        jit_compile=jit_compile,
+        steps_per_execution=steps_per_execution,
+    )
     return model
 
 
@@ -323,6 +328,7 @@ def run_one(
     intra_op: int = 0,
     inter_op: int = 0,
     remat_layers=(),
+    recompute: bool = False,
 ) -> dict:
     """Measures one configuration in this process and returns its JSON record.
 
@@ -337,6 +343,8 @@ def run_one(
         intra_op / inter_op: TensorFlow thread-pool sizes (0: TensorFlow's default).
         remat_layers: layer-name prefixes built under Keras' `RematScope` (`remat_scope`):
             those layers' activations are recomputed in the backward pass, not kept.
+        recompute: `kmp.recompute_elementwise` (JAX): matmul and attention outputs kept,
+            the element-wise work recomputed.
 
     Returns:
         A dict: model, policy, backend, device, jit_compile, compile_s, step_ms_median,
@@ -376,6 +384,10 @@ def run_one(
     with strict:  # JAX reads the matmul precision when it traces the first step
         with remat_scope(workload, remat_layers):
             model, x, y = model_and_batch(workload, policy, jit_compile, keep_fp32)
+        if recompute:
+            from keras_mp.recompute import recompute_elementwise
+
+            recompute_elementwise(model)  # a clear error on TensorFlow
         start = time.perf_counter()
         model.train_on_batch(x, y)
         compile_s = time.perf_counter() - start
@@ -398,6 +410,7 @@ def run_one(
         "jit_compile": bool(jit_compile),
         "xla_remat": suffix == "remat",
         "remat_layers": list(remat_layers) or None,
+        "recompute_elementwise": recompute,
         "compile_s": round(compile_s, 2),
         "step_ms_median": round(median * 1e3, 3),
         "step_ms_min": round(min(times) * 1e3, 3),
