@@ -4,9 +4,9 @@ Issue 49.1. The harness (`benchmarks/run.py`) times `train_on_batch`, one host d
 step; users run `model.fit`, where `steps_per_execution=N` hands the device N steps per
 dispatch (Keras 3.16 on JAX: one on-device `lax.scan`; Keras <= 3.15: a host loop over the
 compiled step). Each row: one workload under one harness policy at one
-`steps_per_execution`, a first `fit` epoch that compiles (untimed), then a timed epoch of
-`--steps` steps over the same batch repeated; `step_ms` is the timed epoch's wall time per
-step. The host's share of a step at N=1 is about `1 - step_ms(N=64) / step_ms(N=1)` where
+`steps_per_execution`, a first `fit` epoch that compiles (untimed), then `--rounds` timed
+epochs of `--steps` steps over the same batch repeated; `step_ms` is the median epoch's wall
+time per step. The host's share of a step at N=1 is about `1 - step_ms(N=64) / step_ms(N=1)` where
 the device work is the same.
 
     KERAS_BACKEND=jax python benchmarks/fit_steps.py --models tiny_gpt,cpu_gpt \\
@@ -26,8 +26,11 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def fit_record(model_name: str, policy: str, spe: int, steps: int) -> dict:
-    """Times one `fit` epoch of `steps` steps at `steps_per_execution=spe`."""
+def fit_record(model_name: str, policy: str, spe: int, steps: int, rounds: int = 5) -> dict:
+    """Times `rounds` `fit` epochs of `steps` steps at `steps_per_execution=spe`; the
+    median epoch gives `step_ms` (the fastest, `step_ms_min`)."""
+    import statistics
+
     import keras
     import numpy as np
 
@@ -49,10 +52,12 @@ def fit_record(model_name: str, policy: str, spe: int, steps: int) -> dict:
     start = time.perf_counter()
     model.fit(xs[: batch * spe], ys[: batch * spe], batch_size=batch, shuffle=False, verbose=0)
     compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    history = model.fit(xs, ys, batch_size=batch, shuffle=False, verbose=0)
-    seconds = time.perf_counter() - start
-    step_ms = seconds / steps * 1e3
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        history = model.fit(xs, ys, batch_size=batch, shuffle=False, verbose=0)
+        times.append((time.perf_counter() - start) / steps * 1e3)
+    step_ms = statistics.median(times)
     keras.backend.clear_session()
     return {
         "kind": "fit",
@@ -61,6 +66,8 @@ def fit_record(model_name: str, policy: str, spe: int, steps: int) -> dict:
         "steps_per_execution": spe,
         "steps": steps,
         "step_ms": round(step_ms, 3),
+        "step_ms_min": round(min(times), 3),
+        "rounds": rounds,
         "tflops": round(workload.flops_per_step() / (step_ms / 1e3) / 1e12, 4),
         "compile_s": round(compile_s, 2),
         "loss": float(history.history["loss"][-1]),
@@ -77,12 +84,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--steps-per-execution", default="1,4,16,64")
     parser.add_argument("--steps", type=int, default=128, help="timed steps a row")
+    parser.add_argument("--rounds", type=int, default=5, help="timed epochs a row (median)")
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
     args = parser.parse_args(argv)
     for model_name in args.models.split(","):
         for spe in (int(n) for n in args.steps_per_execution.split(",")):
             for policy in args.policies.split(","):
-                line = json.dumps(fit_record(model_name, policy, spe, args.steps))
+                line = json.dumps(fit_record(model_name, policy, spe, args.steps, args.rounds))
                 print(line, flush=True)
                 if args.out:
                     with open(args.out, "a") as f:

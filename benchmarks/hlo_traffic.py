@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["KINDS", "dot_flops", "kernel_traffic"]
+__all__ = ["KINDS", "dot_flops", "kernel_origins", "kernel_traffic", "origin"]
 
 _BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -85,7 +85,31 @@ def _kind(bodies: dict, opcode: str, rest: str) -> str:
     return "other"
 
 
-def _count(bodies: dict, computation: str) -> dict:
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_LAYER = re.compile(r"jvp\(([\w.\-]+)\)")
+
+
+def origin(op_name: str, fused=()) -> str:
+    """Where a kernel comes from, read off its root's `op_name` metadata (and, where that
+    names no layer, the `op_name`s `fused` into it): `forward <layer kind>` or `backward
+    <layer kind>` (the Keras layer's name, block number dropped: `ln_attn`, `ffn_in`,
+    `compile_loss`, ...), `update` (the optimizer's scope: a skip's select fused into an
+    update counts here), `finite check` (the test and skip of a non-finite step on its
+    own), or `other`."""
+    layer = _LAYER.search(op_name)
+    if layer:
+        phase = "backward" if "transpose(" in op_name else "forward"
+        kind = re.sub(r"_\d+$", "", layer.group(1))
+        return f"{phase} {kind}"
+    joined = " ".join([op_name, *fused])
+    if re.search(r"adam|lean|loss_scale|sgd|optimizer|iteration", joined, re.I):
+        return "update"
+    if re.search(r"is_finite|reduce_and|select_n|_where|isfinite|nonfinite", joined):
+        return "finite check"
+    return "other"
+
+
+def _count(bodies: dict, computation: str, by_origin: dict | None = None) -> dict:
     totals = {kind: [0, 0] for kind in KINDS} | {"copies": 0, "conditionals": 0}
     sizes = {}
     for line in bodies[computation]:
@@ -99,7 +123,7 @@ def _count(bodies: dict, computation: str) -> dict:
         if opcode in ("conditional", "while", "call"):
             callees = re.findall(r"%([\w.\-]+)", _CALLEES.search(rest).group(0))
             inner = max(
-                (_count(bodies, c) for c in callees),
+                (_count(bodies, c, by_origin) for c in callees),
                 key=lambda t: sum(t[k][1] for k in KINDS),
             )
             for key, value in inner.items():
@@ -114,6 +138,14 @@ def _count(bodies: dict, computation: str) -> dict:
         totals[kind][0] += 1
         totals[kind][1] += read + sizes[name]
         totals["copies"] += opcode == "copy"
+        if by_origin is not None and kind == "other":
+            root = _OP_NAME.search(rest)
+            callee = re.search(r"calls=%([\w.\-]+)", rest)
+            fused = [n for line in bodies.get(callee.group(1), ()) if callee
+                     for n in _OP_NAME.findall(line)] if callee else []
+            group = by_origin.setdefault(origin(root.group(1) if root else "", fused), [0, 0])
+            group[0] += 1
+            group[1] += read + sizes[name]
     return totals
 
 
@@ -133,6 +165,17 @@ def kernel_traffic(hlo_text: str) -> dict:
     out = {k: {"kernels": totals[k][0], "gib": round(totals[k][1] / 2**30, 3)} for k in KINDS}
     out.update(copies=totals["copies"], conditionals=totals["conditionals"])
     return out
+
+
+def kernel_origins(hlo_text: str) -> dict:
+    """The element-wise and reduction kernels (kind `other`) by `origin`: `{origin:
+    {"kernels": int, "gib": float}}`, largest traffic first. A conditional's branches all
+    count (an upper bound), a `while` body once."""
+    bodies, entry = _computations(hlo_text)
+    groups: dict = {}
+    _count(bodies, entry, groups)
+    ordered = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    return {k: {"kernels": n, "gib": round(b / 2**30, 3)} for k, (n, b) in ordered}
 
 
 def dot_flops(hlo_text: str) -> float:

@@ -44,7 +44,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from hlo_traffic import KINDS, dot_flops, kernel_traffic  # noqa: E402
+from hlo_traffic import KINDS, dot_flops, kernel_origins, kernel_traffic  # noqa: E402
 
 GIB = 2**30
 TARGETS = {"h200": os.path.join(HERE, "h200.txtpb")}
@@ -115,6 +115,9 @@ def _analysis(compiled) -> dict:
         "traffic_gib": {kind: traffic[kind]["gib"] for kind in KINDS},
         "copies": traffic["copies"],
         "conditionals": traffic["conditionals"],
+        # the element-wise kernels by the layer (forward / backward), update or check
+        # that made them (benchmarks/hlo_traffic.py `origin`)
+        "other_by_origin": kernel_origins(text),
     }
 
 

@@ -31,10 +31,17 @@ from keras import ops
 from keras.dtype_policies import DTypePolicyMap, QuantizedFloat8DTypePolicy
 
 import keras_mp.layers as kmp_layers
+from keras_mp.float8_payoff import (
+    Float8SlowerWarning,
+    float8_layers,
+    float8_speedup_expected,
+    float8_speedup_reason,
+)
 from keras_mp.keep_list import output_layers
 
 __all__ = [
     "Float8DTypePolicy",
+    "Float8SlowerWarning",
     "Float8Dense",
     "Float8EinsumDense",
     "Float8MultiHeadAttention",
@@ -460,11 +467,6 @@ def apply_float8(
     return model
 
 
-def float8_layers(model: keras.Model) -> list:
-    """The layers of `model` (nested ones included) that run FP8 matmuls."""
-    return [x for x in model._flatten_layers(include_self=False) if x.quantization_mode == "float8"]
-
-
 def float8_state(model: keras.Model) -> dict:
     """The current FP8 scales and amaxes of every float8 layer, for audits.
 
@@ -494,34 +496,3 @@ def float8_state(model: keras.Model) -> dict:
             }
         out[layer.path] = entry
     return out
-
-
-def _fp8_devices() -> tuple[bool, str]:
-    import keras_mp.hardware as hardware
-
-    gpus = [d for d in hardware.report().devices if d.kind == "GPU"]
-    if not gpus:
-        return False, "no GPU: FP8 matmuls run emulated (quantize-dequantize), slower than bf16"
-    slow = [d for d in gpus if not d.fp8]
-    if slow:
-        d = slow[0]
-        cc = ".".join(map(str, d.compute_capability or ())) or "unknown"
-        return False, (
-            f"{d.model or d.name} (compute capability {cc}) has no FP8 tensor "
-            "cores (needs >= 8.9): FP8 runs emulated"
-        )
-    d = gpus[0]
-    return True, (
-        f"{d.model or d.name} has FP8 tensor cores: expect FP8 GEMMs when compiled "
-        "with XLA (jit_compile=True)"
-    )
-
-
-def float8_speedup_expected() -> bool:
-    """Whether FP8 matmuls can be faster here: every GPU has compute capability >= 8.9."""
-    return _fp8_devices()[0]
-
-
-def float8_speedup_reason() -> str:
-    """One line saying why `float8_speedup_expected()` is what it is."""
-    return _fp8_devices()[1]

@@ -1,6 +1,7 @@
 """Tests for keras_mp.float8: the delayed-scaling recipe on Keras' float8 training path."""
 
 import os
+import warnings
 
 import keras
 import ml_dtypes
@@ -308,3 +309,57 @@ def test_no_speedup_expected_without_fp8_tensor_cores():
     assert f8.float8_speedup_expected() is False
     reason = f8.float8_speedup_reason()
     assert "no GPU" in reason and "emulated" in reason and "\n" not in reason
+
+
+H100 = kmp.hardware.Device("gpu:0", "GPU", "NVIDIA H100", (9, 0), True, True, True)
+A100 = kmp.hardware.Device("gpu:0", "GPU", "NVIDIA A100", (8, 0), True, True, False)
+
+
+def _wide_model(width, depth=2):
+    inputs = keras.Input((width,))
+    x = inputs
+    for _ in range(depth):
+        x = keras.layers.Dense(width)(x)
+    return keras.Model(inputs, keras.layers.Dense(2)(x))
+
+
+def test_matmul_sides_of_dense_and_attention_kernels():
+    from keras_mp.float8_payoff import _sides
+
+    assert _sides((64, 256)) == (64, 256)
+    assert _sides((16, 4, 8), "abc,cde->abde") == (16, 32)  # query projection: d -> heads
+    assert _sides((4, 8, 16), "abcd,cde->abe") == (32, 16)  # output projection: heads -> d
+
+
+def test_convert_to_float8_says_when_it_will_be_slower():
+    """On this CPU (no FP8 tensor cores) convert says so once; on an H100 a model of
+    256-wide matmuls is below FP8's break-even (4096 a side), one of 4096-wide ones is not,
+    and an A100 has no FP8 tensor cores. A bfloat16 convert says nothing."""
+    small = _wide_model(256)
+    if not any(d.kind == "GPU" for d in kmp.hardware.report().devices):
+        with pytest.warns(f8.Float8SlowerWarning, match="no GPU: FP8 matmuls run emulated"):
+            converted = kmp.convert(small, "float8", check=None)
+    else:
+        converted = kmp.convert(small, "float8", check=None)
+
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", f8.Float8SlowerWarning)
+        kmp.convert(small, "mixed_bfloat16", check=None)
+    # the output layer (256 -> 2) stays bfloat16: the two 256 x 256 kernels count
+    from keras_mp.float8_payoff import typical_side
+
+    assert typical_side(converted) == pytest.approx(256.0)
+    assert f8.float8_speedup_expected(converted, devices=[H100]) is False
+    why = f8.float8_speedup_reason(converted, devices=[H100])
+    assert "about 256 a side" in why and "NVIDIA H100" in why and "1.30x slower" in why
+    assert f8.float8_speedup_expected(devices=[H100]) is True  # no model: the device only
+    assert "no FP8 tensor cores" in f8.float8_speedup_reason(converted, devices=[A100])
+
+
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", f8.Float8SlowerWarning)
+        large = kmp.convert(_wide_model(4096, depth=1), "float8", check=None)
+    assert typical_side(large) == pytest.approx(4096.0)
+    assert f8.float8_speedup_expected(large, devices=[H100]) is True

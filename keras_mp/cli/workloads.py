@@ -152,6 +152,8 @@ WORKLOADS = {
     "cpu_resnet": ResNet(batch=32, size=64, classes=100),
     "tiny_gpt": GPT(batch=2, seq=64, d_model=64, heads=4, layers=1, ffn=128, vocab=512),
     "tiny_resnet": ResNet(batch=4, size=32, classes=10, blocks=(1, 1, 1), width=8),
+    # ~1.3B parameters (24 x 2048-wide blocks): where FP8 might start to pay (issue 49.4)
+    "gpt_1b3": GPT(batch=8, seq=1024, d_model=2048, heads=16, layers=24, ffn=8192, vocab=32768),
 }
-"""Workload name -> configuration: `gpt` and `resnet50` for a GPU, `cpu_*` for a CPU,
+"""Workload name -> configuration: `gpt`, `gpt_1b3` and `resnet50` for a GPU, `cpu_*` for a CPU,
 `tiny_*` for tests."""

@@ -342,8 +342,10 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
     recast_variables(new, trainable_only=policy.is_lean)
     if policy.name == "float8":
         from keras_mp.float8 import apply_float8
+        from keras_mp.float8_payoff import warn_if_float8_will_not_pay
 
         apply_float8(new, policy.float8_recipe)  # the output layers stay bfloat16
+        warn_if_float8_will_not_pay(new)  # a user should not lose 30% without a word
     optimizer_guard.mark(new, policy)  # a plain optimizer on these weights warns
     _compile_like(model, new, policy)
     new.precision_plan = the_plan
