@@ -2,17 +2,21 @@
 
 Activations saved for the backward pass are most of a transformer step's peak. Keras'
 `RematScope` recomputes whole layers, matmuls included (+8-15% of the step's FLOPs for a
-GPT, BENCHMARKS 14.2). `recompute_elementwise(model)` runs the model's forward under
-`jax.checkpoint` with a policy that saves only what a matmul, a convolution or a fused
-attention kernel produced: layer norms, activations, residual adds, casts, dropout masks and
-softmaxes are recomputed from those in the backward pass, where they cost memory bandwidth,
-not FLOPs (JAX's `checkpoint_dots` policy, with attention kept).
+GPT, BENCHMARKS 14.2). `recompute_elementwise(model)` cuts the model's graph into stretches
+(a transformer: at each residual add) and runs each under `jax.checkpoint` with a policy
+that saves only what a matmul, a convolution or a fused attention kernel produced: layer
+norms, activations, residual adds, casts, dropout masks and softmaxes are recomputed from
+those in the backward pass, stretch by stretch, where they cost memory bandwidth, not FLOPs
+(JAX's `checkpoint_dots` policy, with attention kept). One checkpoint over the whole model
+saves nothing: XLA then recomputes everything at once (compiled for an H200, a small GPT's
+peak rose from 0.128 to 0.163 GiB).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import types
+import weakref
 
 import keras
 from keras import tree
@@ -46,6 +50,7 @@ class _Region:
     inputs: tuple  # KerasTensors of the whole model's graph
     outputs: tuple
     model: keras.Model
+    checkpoint: bool = True  # False: one functional model, cut inside instead
 
 
 def _execution_order(model) -> list:
@@ -121,7 +126,8 @@ def regions(model: keras.Model) -> list[_Region]:
             if last_use.get(k, -1) > end
         ]
         sub = keras.Model(ins, outs, name=f"{model.name}_region_{len(out)}")
-        out.append(_Region(tuple(ins), tuple(outs), sub))
+        alone = len(inside) == 1 and isinstance(inside[0].operation, Functional)
+        out.append(_Region(tuple(ins), tuple(outs), sub, checkpoint=not alone))
     return out
 
 
@@ -144,9 +150,8 @@ def _run_region(region, values, masks, training, owner):
     state = [stored_value(v) for v in variables]
     ins = [values[id(t)] for t in region.inputs]
     in_masks = [masks.get(id(t)) for t in region.inputs]
-    outs, out_masks, new_state, losses = jax.checkpoint(forward, policy=saves_matmul_outputs)(
-        ins, in_masks, state
-    )
+    run = jax.checkpoint(forward, policy=saves_matmul_outputs) if region.checkpoint else forward
+    outs, out_masks, new_state, losses = run(ins, in_masks, state)
     for v, before, after in zip(variables, state, new_state):
         if after is not before:
             v.assign(after)
@@ -211,25 +216,35 @@ def recompute_elementwise(model: keras.Model) -> keras.Model:
     graph = model._functional if isinstance(model, keras.Sequential) else model
     stretches = regions(graph)
     object.__setattr__(model, _FLAG, True)
-    if len(stretches) < 2:  # nothing to cut here: cut the functional models inside it
-        for node in _execution_order(graph):
-            if isinstance(node.operation, Functional):
-                recompute_elementwise(node.operation)
+    for region in stretches:  # a functional model alone in its stretch is cut inside
+        if not region.checkpoint:
+            recompute_elementwise(next(x for x in region.model.layers if isinstance(x, Functional)))
+    if len(stretches) < 2:
         return model
-    original = graph.call
-
-    @functools.wraps(original)
-    def call(inputs, training=None, mask=None, **kwargs):
-        flat = graph._standardize_inputs(inputs)
-        values = {id(t): v for t, v in zip(graph.inputs, flat)}
-        masks = {}
-        for t, m in zip(graph.inputs, tree.flatten(mask) if mask is not None else []):
-            if m is not None:
-                masks[id(t)] = m
-        for region in stretches:
-            _run_region(region, values, masks, training, model)
-        outputs = tree.pack_sequence_as(graph.output, [values[id(t)] for t in graph.outputs])
-        return outputs
-
-    object.__setattr__(graph, "call", call)
+    _REGIONS[graph] = stretches
+    # A method bound to the model (not a closure over it): a copy of the model
+    # (`copy.deepcopy`, `kmp.convert`) gets it bound to the copy, which cuts its own graph.
+    object.__setattr__(model, "call", types.MethodType(_call_in_stretches, model))
     return model
+
+
+# graph -> its stretches, made once per model object (a copy makes its own)
+_REGIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _call_in_stretches(model, inputs, training=None, mask=None, **kwargs):
+    """`Functional.call`, stretch by stretch (see `recompute_elementwise`); added losses
+    go to `model` (a Sequential's, not its inner graph's)."""
+    graph = model._functional if isinstance(model, keras.Sequential) else model
+    stretches = _REGIONS.get(graph)
+    if stretches is None:
+        stretches = _REGIONS[graph] = regions(graph)
+    flat = graph._standardize_inputs(inputs)
+    values = {id(t): v for t, v in zip(graph.inputs, flat)}
+    masks = {}
+    for t, m in zip(graph.inputs, tree.flatten(mask) if mask is not None else []):
+        if m is not None:
+            masks[id(t)] = m
+    for region in stretches:
+        _run_region(region, values, masks, training, model)
+    return tree.pack_sequence_as(graph.output, [values[id(t)] for t in graph.outputs])

@@ -147,13 +147,29 @@ def test_keras_hub_causal_lm_is_cut_inside_its_backbone():
 
 @needs_jax
 def test_sequential_and_a_subclassed_model():
-    keras.utils.set_random_seed(0)
-    seq = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)]
-    )
-    want = keras.ops.convert_to_numpy(seq(np.ones((3, 4), "float32")))
-    kmp.recompute_elementwise(seq)
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(seq(np.ones((3, 4)))), want)
+    """A Sequential (an added loss included: it goes to the Sequential, not its inner
+    graph) trains as the plain one; a subclassed model and an unbuilt Sequential are
+    refused by name."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 2)).astype("float32")
+    losses = []
+    for recompute in (False, True):
+        keras.utils.set_random_seed(0)
+        seq = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(8, activity_regularizer="l2"),
+                keras.layers.LayerNormalization(),
+                keras.layers.Dense(8, activation="gelu"),
+                keras.layers.Dense(2),
+            ]
+        )
+        if recompute:
+            kmp.recompute_elementwise(seq)
+            assert len(regions(seq._functional)) >= 2
+        seq.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        losses.append(seq.fit(x, y, epochs=2, verbose=0).history["loss"])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
     class Net(keras.Model):
         def call(self, x):
@@ -170,3 +186,22 @@ def test_other_backends_are_refused_by_name():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match=r"JAX backend only.*'tensorflow'"):
         kmp.recompute_elementwise(model)
+
+
+@needs_jax
+def test_a_copy_runs_its_own_layers():
+    """`kmp.convert` copies a model (deepcopy): the copy's stretches are its own layers',
+    not the original's (a closure over the original graph would run the original)."""
+    keras.utils.set_random_seed(0)
+    model = WORKLOADS["tiny_gpt"].build(keras)
+    kmp.recompute_elementwise(model)
+    x, _ = WORKLOADS["tiny_gpt"].data(np.random.default_rng(0))
+    copy = kmp.convert(model, "float32", check=None)
+    want = keras.ops.convert_to_numpy(model(x))
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(copy(x)), want, atol=1e-5)
+    head = copy.get_layer("head")
+    head.kernel.assign(np.zeros(head.kernel.shape, "float32"))
+    got = keras.ops.convert_to_numpy(copy(x))
+    bias = keras.ops.convert_to_numpy(head.bias)
+    np.testing.assert_allclose(got, np.broadcast_to(bias, got.shape))
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(model(x)), want)  # untouched
