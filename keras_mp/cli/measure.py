@@ -37,12 +37,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
+from keras_mp.cli.device_probe import (
+    backend_version,
+    device_and_memory,
+    on_gpu,
+    tf_cpu_tensor_peak,
+)
 from keras_mp.cli.workloads import WORKLOADS
 
 __all__ = [
@@ -125,61 +130,6 @@ def default_jit(policy: str, backend: str, on_gpu: bool) -> bool:
     if backend != "tensorflow" or on_gpu:
         return True
     return POLICIES[policy] == "mixed_float16"
-
-
-def _device_and_memory(backend: str):
-    """(device description, peak memory GiB, memory kind) for the current process."""
-    if backend == "jax":
-        import jax
-
-        dev = jax.devices()[0]
-        stats = dev.memory_stats() if dev.platform != "cpu" else None
-        if stats and "peak_bytes_in_use" in stats:
-            return dev.device_kind, stats["peak_bytes_in_use"] / 2**30, "device"
-    elif backend == "tensorflow":
-        import tensorflow as tf
-
-        gpus = tf.config.list_physical_devices("GPU")
-        if gpus:
-            name = tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
-            return name, tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**30, "device"
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return _cpu_model(), rss_kib / 2**20, "host_rss"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"CPU ({os.cpu_count()} cores)"
-
-
-def _tf_cpu_tensor_peak(backend: str, reset: bool = False) -> int | None:
-    """TensorFlow on CPU: the allocator's peak bytes in use (tensors only, unlike RSS) since
-    the last reset; `reset=True` starts a new window. None elsewhere or if unsupported."""
-    if backend != "tensorflow" or _on_gpu(backend):
-        return None
-    from keras_mp.cli import records  # imports keras: not at module level
-
-    if reset:
-        records.reset_peak_memory("CPU")
-    return records.peak_memory("CPU")
-
-
-def _on_gpu(backend: str) -> bool:
-    if backend == "jax":
-        import jax
-
-        return jax.devices()[0].platform == "gpu"
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return bool(tf.config.list_physical_devices("GPU"))
-    return False
 
 
 def _keras_mp_api():
@@ -378,7 +328,7 @@ def run_one(
     if suffix:
         jit_compile = _JIT_SUFFIX[suffix]
     elif jit_compile is None:
-        jit_compile = default_jit(policy, backend, _on_gpu(backend))
+        jit_compile = default_jit(policy, backend, on_gpu(backend))
     workload = WORKLOADS[model_name]
     strict = _strict_fp32(backend) if policy == "float32_strict" else contextlib.nullcontext()
     with strict:  # JAX reads the matmul precision when it traces the first step
@@ -393,15 +343,15 @@ def run_one(
         compile_s = time.perf_counter() - start
         for _ in range(warmup):
             model.train_on_batch(x, y)
-        tensor_peak = _tf_cpu_tensor_peak(backend, reset=True)
+        tensor_peak = tf_cpu_tensor_peak(backend, reset=True)
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             loss = model.train_on_batch(x, y)
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    tensor_peak = _tf_cpu_tensor_peak(backend) if tensor_peak is not None else None
-    device, peak, peak_kind = _device_and_memory(backend)
+    tensor_peak = tf_cpu_tensor_peak(backend) if tensor_peak is not None else None
+    device, peak, peak_kind = device_and_memory(backend)
     record = {
         "model": model_name,
         "policy": policy,
@@ -426,7 +376,7 @@ def run_one(
         "steps": steps,
         "warmup": warmup,
         "keras": keras.__version__,
-        "backend_version": _backend_version(backend),
+        "backend_version": backend_version(backend),
         "env": {k: os.environ[k] for k in _ENV_KEYS if k in os.environ},
     }
     if tensor_peak is not None:
@@ -445,8 +395,3 @@ def _state_bytes(model) -> float:
     from keras_mp.lean.memory import state_bytes
 
     return state_bytes(model).per_parameter
-
-
-def _backend_version(backend: str) -> str:
-    module = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}.get(backend)
-    return getattr(sys.modules.get(module), "__version__", "") if module else ""
