@@ -203,6 +203,9 @@ def run_policy(
     cal = model.precision_plan.calibration
     if cal is not None:
         row["fp32_flops"] = cal.fp32_flops
+    counter = getattr(model.optimizer, "skipped_steps", None)
+    if counter is not None:  # also the skip-only scaler and lean's own count: no scale
+        row["skipped_steps"] = int(keras.ops.convert_to_numpy(counter.value))
     if monitor is not None:
         row["skipped_steps"] = int(keras.ops.convert_to_numpy(opt.skipped_steps.value))
         row["final_loss_scale"] = float(keras.ops.convert_to_numpy(opt.dynamic_scale.value))
