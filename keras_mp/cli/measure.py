@@ -203,6 +203,10 @@ def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32, steps_p
         loss=loss,
         jit_compile=jit_compile,
         steps_per_execution=steps_per_execution,
+        # A stock row is Keras as it is without keras_mp: importing keras_mp gives Keras'
+        # own mixed_bfloat16 the skip-only scaler (keras_mp.autoscale), which this turns
+        # off. Keras itself reads the flag only to wrap float16, done above by hand.
+        auto_scale_loss=not stock,
     )
     return model
 
