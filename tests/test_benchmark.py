@@ -534,3 +534,21 @@ def test_jax_profile_script_sums_kernels_per_step(tmp_path, capsys):
     assert module.main(["--models", "tiny_gpt", "--policies", "float16", "--steps", "1"]) == 1
     (error,) = map(json.loads, capsys.readouterr().out.splitlines())
     assert "Unknown policy 'float16'" in error["error"]
+
+
+def test_stock_rows_are_stock_keras_with_keras_mp_imported():
+    """Importing keras_mp gives Keras' own mixed_bfloat16 its skip-only scaler; the
+    harness' stock rows must not have it (they are what Keras does without keras_mp)."""
+    from keras_mp.cli.measure import model_and_batch
+    from keras_mp.cli.workloads import WORKLOADS
+
+    kinds = {}
+    for policy in ("stock_mixed_bfloat16", "stock_mixed_float16", "keras_mp_mixed_bfloat16"):
+        model, _, _ = model_and_batch(WORKLOADS["tiny_gpt"], policy, True)
+        kinds[policy] = type(model.optimizer).__module__.split(".")[0]
+    assert kinds == {
+        "stock_mixed_bfloat16": "keras",  # plain AdamW
+        "stock_mixed_float16": "keras",  # Keras' own LossScaleOptimizer
+        "keras_mp_mixed_bfloat16": "keras_mp",
+    }
+    assert keras.config.dtype_policy().name == "float32"  # restored
