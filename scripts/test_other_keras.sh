@@ -70,9 +70,10 @@ SAME_ON_ANY_KERAS=(
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$which" = nightly ]; then
   # Keras 3.16 runs JAX's steps_per_execution as one on-device lax.scan: keras_mp's per-step
-  # state (loss scale, skip counts, the lean update) inside it.
+  # state (loss scale, skip counts, the lean update) inside it. recompute_elementwise runs a
+  # functional graph stretch by stretch (JAX only): Keras' graph internals, on the next Keras.
   KERAS_BACKEND=jax "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" \
-    tests/test_keras_internals.py tests/test_steps_per_execution.py
+    tests/test_keras_internals.py tests/test_steps_per_execution.py tests/test_recompute.py
 fi
 KERAS_BACKEND=tensorflow "$venv/bin/python" -m pytest \
   -q -p no:cacheprovider "${SAME_ON_ANY_KERAS[@]}" "$@" "${MODULES[@]}" "${SMOKE[@]}"
