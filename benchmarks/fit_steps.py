@@ -17,7 +17,6 @@ the device work is the same.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -87,14 +86,12 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed epochs a row (median)")
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
     args = parser.parse_args(argv)
+    from keras_mp.cli.records import emit
+
     for model_name in args.models.split(","):
         for spe in (int(n) for n in args.steps_per_execution.split(",")):
             for policy in args.policies.split(","):
-                line = json.dumps(fit_record(model_name, policy, spe, args.steps, args.rounds))
-                print(line, flush=True)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(line + "\n")
+                emit(fit_record(model_name, policy, spe, args.steps, args.rounds), args.out)
     return 0
 
 

@@ -54,7 +54,6 @@ activations saved for the backward pass, ...).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -494,6 +493,8 @@ def main(argv=None) -> int:
     kwargs = tiny if args.tiny else full
     sequence = args.sequence or model_sequence
     status = 0
+    from keras_mp.cli.records import emit
+
     for policy in args.policies.split(","):
         try:
             record = step_record(
@@ -528,11 +529,7 @@ def main(argv=None) -> int:
             jax=jax.__version__,
             keras=keras.__version__,
         )
-        line = json.dumps(record)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(record, args.out)
     return status
 
 

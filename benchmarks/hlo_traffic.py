@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["KINDS", "dot_flops", "kernel_origins", "kernel_traffic", "origin"]
+__all__ = ["KINDS", "dot_flops", "kernel_traffic", "origin"]
 
 _BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -141,8 +141,8 @@ def _count(bodies: dict, computation: str, by_origin: dict | None = None) -> dic
         if by_origin is not None and kind == "other":
             root = _OP_NAME.search(rest)
             callee = re.search(r"calls=%([\w.\-]+)", rest)
-            fused = [n for line in bodies.get(callee.group(1), ()) if callee
-                     for n in _OP_NAME.findall(line)] if callee else []
+            body = bodies.get(callee.group(1), ()) if callee else ()
+            fused = [n for line in body for n in _OP_NAME.findall(line)]
             group = by_origin.setdefault(origin(root.group(1) if root else "", fused), [0, 0])
             group[0] += 1
             group[1] += read + sizes[name]
@@ -157,25 +157,21 @@ def kernel_traffic(hlo_text: str) -> dict:
 
     Returns:
         `{"gemm" | "conv" | "attention" | "other": {"kernels": int, "gib": float}, "copies": int,
-        "conditionals": int}`: kernel counts and GiB read + written per execution, with
-        each conditional's costliest branch.
+        "conditionals": int, "other_by_origin": {origin: {"kernels": int, "gib": float}}}`:
+        kernel counts and GiB read + written per execution, with each conditional's
+        costliest branch; the `other` kernels also by `origin`, largest traffic first (there
+        a conditional's branches all count: an upper bound).
     """
     bodies, entry = _computations(hlo_text)
-    totals = _count(bodies, entry)
+    groups: dict = {}
+    totals = _count(bodies, entry, groups)
     out = {k: {"kernels": totals[k][0], "gib": round(totals[k][1] / 2**30, 3)} for k in KINDS}
     out.update(copies=totals["copies"], conditionals=totals["conditionals"])
-    return out
-
-
-def kernel_origins(hlo_text: str) -> dict:
-    """The element-wise and reduction kernels (kind `other`) by `origin`: `{origin:
-    {"kernels": int, "gib": float}}`, largest traffic first. A conditional's branches all
-    count (an upper bound), a `while` body once."""
-    bodies, entry = _computations(hlo_text)
-    groups: dict = {}
-    _count(bodies, entry, groups)
     ordered = sorted(groups.items(), key=lambda kv: -kv[1][1])
-    return {k: {"kernels": n, "gib": round(b / 2**30, 3)} for k, (n, b) in ordered}
+    out["other_by_origin"] = {
+        k: {"kernels": n, "gib": round(b / 2**30, 3)} for k, (n, b) in ordered
+    }
+    return out
 
 
 def dot_flops(hlo_text: str) -> float:

@@ -35,7 +35,6 @@ limit, `keras_mp.cli.measure.REMAT_XLA_FLAG`, as this compile's options; XLA:GPU
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from hlo_traffic import KINDS, dot_flops, kernel_origins, kernel_traffic  # noqa: E402
+from hlo_traffic import KINDS, dot_flops, kernel_traffic  # noqa: E402
 
 GIB = 2**30
 TARGETS = {"h200": os.path.join(HERE, "h200.txtpb")}
@@ -117,7 +116,7 @@ def _analysis(compiled) -> dict:
         "conditionals": traffic["conditionals"],
         # the element-wise kernels by the layer (forward / backward), update or check
         # that made them (benchmarks/hlo_traffic.py `origin`)
-        "other_by_origin": kernel_origins(text),
+        "other_by_origin": traffic["other_by_origin"],
     }
 
 
@@ -327,13 +326,11 @@ def main(argv=None) -> int:
         device = f"{args.target} (compile only: {sharding.device_set.pop().device_kind})"
     else:
         device = str(jax.devices()[0].device_kind)
+    from keras_mp.cli.records import emit
+
     for record in records:
         record.update(device=device, flash=flash, jax=jax.__version__, keras=keras.__version__)
-        line = json.dumps(record)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        emit(record, args.out)
     return 0
 
 

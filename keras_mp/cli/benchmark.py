@@ -321,6 +321,8 @@ def run_configurations(args: argparse.Namespace, on_start=None, on_row=None) -> 
     Raises:
         ValueError: as `check`, before anything runs.
     """
+    from keras_mp.cli.records import emit  # imports Keras: not at module level
+
     models, policies = check(args)
     rows, start = [], time.monotonic()
     for model_name in models:
@@ -339,9 +341,7 @@ def run_configurations(args: argparse.Namespace, on_start=None, on_row=None) -> 
             else:
                 add_speedups(row, rows)
             rows.append(row)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, args.out, echo=False)
             if on_row is not None:
                 on_row(row)
     return rows

@@ -207,7 +207,6 @@ def run_policy(
     if counter is not None:  # also the skip-only scaler and lean's own count: no scale
         row["skipped_steps"] = int(keras.ops.convert_to_numpy(counter.value))
     if monitor is not None:
-        row["skipped_steps"] = int(keras.ops.convert_to_numpy(opt.skipped_steps.value))
         row["final_loss_scale"] = float(keras.ops.convert_to_numpy(opt.dynamic_scale.value))
         row["history"]["loss_scale"] = {
             "step": list(monitor.history["step"]),
