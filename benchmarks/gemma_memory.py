@@ -58,6 +58,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,66 +67,60 @@ sys.path.insert(0, HERE)
 GIB = 2**30
 SEQUENCE = 1024  # Gemma-2B's (section 13); each model's own below
 
-# keras_hub's gemma_2b_en (2,506,172,416 parameters; the preset's own config is on Kaggle).
-GEMMA_2B = dict(
-    vocabulary_size=256000,
-    num_layers=18,
-    num_query_heads=8,
-    num_key_value_heads=1,
-    hidden_dim=2048,
-    intermediate_dim=32768,
-    head_dim=256,
-)
-GEMMA_2B_PARAMS = 2506172416
-TINY = dict(
-    vocabulary_size=512,
-    num_layers=2,
-    num_query_heads=8,
-    num_key_value_heads=1,
-    hidden_dim=64,
-    intermediate_dim=256,
-    head_dim=16,
-)
-# keras_hub's llama3_8b_en: 8,030,261,248 parameters (untied output embedding).
-LLAMA3_8B = dict(
-    vocabulary_size=128256,
-    num_layers=32,
-    num_query_heads=32,
-    num_key_value_heads=8,
-    hidden_dim=4096,
-    intermediate_dim=14336,
-    rope_max_wavelength=500000,
-)
-LLAMA_TINY = dict(
-    vocabulary_size=512,
-    num_layers=2,
-    num_query_heads=8,
-    num_key_value_heads=2,
-    hidden_dim=64,
-    intermediate_dim=256,
-)
-# keras_hub's gemma_7b_en: 8,537,680,896 parameters.
-GEMMA_7B = dict(
-    vocabulary_size=256000,
-    num_layers=28,
-    num_query_heads=16,
-    num_key_value_heads=16,
-    hidden_dim=3072,
-    intermediate_dim=49152,
-    head_dim=256,
-)
-# --model: (backbone, task, full-size kwargs, twin kwargs, sequence, decoder block name).
-MODELS = {
-    "gemma2b": ("GemmaBackbone", "GemmaCausalLM", GEMMA_2B, TINY, SEQUENCE, "decoder_block_"),
-    "gemma7b": ("GemmaBackbone", "GemmaCausalLM", GEMMA_7B, TINY, 2048, "decoder_block_"),
-    "llama3_8b": (
-        "Llama3Backbone",
-        "Llama3CausalLM",
-        LLAMA3_8B,
-        LLAMA_TINY,
-        2048,
-        "transformer_layer_",
+GEMMA_2B_PARAMS = 2506172416  # keras_hub's gemma_2b_en (the preset's own config is on Kaggle)
+
+
+class ModelSpec(NamedTuple):
+    """One `--model`: its keras_hub classes, its full-size kwargs, the kwargs of its tiny
+    twin (the same layers at small sizes: `--tiny`, and the twin `kmp.convert` runs on),
+    its sequence length and the name prefix of its decoder blocks (for RematScope)."""
+
+    backbone: str
+    task: str
+    full: dict
+    tiny: dict
+    sequence: int
+    block: str
+
+
+# The one table of model specs: each --model's keras_hub classes, decoder block prefix and
+# sequence, and its backbone kwargs full-size and for its tiny twin (None: not passed).
+# Parameters: Gemma-2B 2,506,172,416 (gemma_2b_en), Gemma-7B 8,537,680,896 (gemma_7b_en),
+# Llama-3-8B 8,030,261,248 (llama3_8b_en, untied output embedding).
+_KWARGS = (
+    "vocabulary_size", "num_layers", "num_query_heads", "num_key_value_heads", "hidden_dim",
+    "intermediate_dim", "head_dim", "rope_max_wavelength",
+)  # fmt: skip
+# fmt: off
+_TABLE = {
+    #             backbone, task, decoder block prefix, sequence; then the kwargs' rows:
+    #             vocab   layers  q   kv  hidden  inter  head  rope
+    "gemma2b": (
+        "GemmaBackbone", "GemmaCausalLM", "decoder_block_", SEQUENCE,
+        (256000,  18,      8,  1,  2048,  32768,  256,  None),  # full size
+        (512,      2,      8,  1,    64,    256,   16,  None),  # tiny twin
     ),
+    "gemma7b": (
+        "GemmaBackbone", "GemmaCausalLM", "decoder_block_", 2048,
+        (256000,  28,     16, 16,  3072,  49152,  256,  None),
+        (512,      2,      8,  1,    64,    256,   16,  None),
+    ),
+    "llama3_8b": (
+        "Llama3Backbone", "Llama3CausalLM", "transformer_layer_", 2048,
+        (128256,  32,     32,  8,  4096,  14336, None, 500000),
+        (512,      2,      8,  2,    64,    256, None,  None),
+    ),
+}
+# fmt: on
+
+
+def _kwargs(row: tuple) -> dict:
+    return {k: v for k, v in zip(_KWARGS, row) if v is not None}
+
+
+MODELS = {
+    name: ModelSpec(backbone, task, _kwargs(full), _kwargs(tiny), sequence, block)
+    for name, (backbone, task, block, sequence, full, tiny) in _TABLE.items()
 }
 POLICIES = {
     "stock_mixed_bfloat16": "mixed_bfloat16",
@@ -175,7 +170,8 @@ def distribution_for(
     if b * m != n:
         raise SystemExit(f"--mesh {mesh}: {b * m} devices, not {n}")
     dmesh = keras.distribution.DeviceMesh((b, m), ["batch", "model"], devices)
-    backbone, _, kwargs, *_ = MODELS[model]
+    backbone = MODELS[model].backbone
+    kwargs = MODELS[model].full
     layout_map = getattr(keras_hub.models, backbone).get_layout_map(dmesh)
     if layout == "kv_replicated" and kwargs["num_key_value_heads"] % m:
         # Gemma-2B has one key/value head: keras_hub's map splits the kernels' head axis
@@ -190,7 +186,7 @@ def distribution_for(
 
 
 def _causal_lm(keras_hub, kwargs, dtype=None, model: str = "gemma2b"):
-    backbone, task, *_ = MODELS[model]
+    backbone, task = MODELS[model].backbone, MODELS[model].task
     backbone = getattr(keras_hub.models, backbone)(**kwargs, dtype=dtype)
     return getattr(keras_hub.models, task)(backbone=backbone, preprocessor=None)
 
@@ -204,7 +200,7 @@ def keras_mp_plan(dtype: str, num_layers: int, model: str = "gemma2b") -> tuple:
     import keras_mp as kmp
 
     keras.config.set_dtype_policy("float32")
-    twin_kwargs = dict(MODELS[model][3], num_layers=num_layers)
+    twin_kwargs = dict(MODELS[model].tiny, num_layers=num_layers)
     twin = _causal_lm(keras_hub, twin_kwargs, model=model)
     converted = kmp.convert(twin, kmp.Policy(dtype), check=None)
     dtypes = {v.path: v.dtype for v in converted.variables}
@@ -212,7 +208,7 @@ def keras_mp_plan(dtype: str, num_layers: int, model: str = "gemma2b") -> tuple:
 
 
 def _record_name(model: str, kwargs: dict) -> str:
-    if kwargs == MODELS[model][2]:
+    if kwargs == MODELS[model].full:
         return {"gemma2b": "gemma_2b", "gemma7b": "gemma_7b"}.get(model, model)
     return "gemma_tiny" if model == "gemma2b" else f"{model}_tiny"
 
@@ -220,7 +216,7 @@ def _record_name(model: str, kwargs: dict) -> str:
 def _forget_uninitialised() -> None:
     """Keras initialises the variables a `StatelessScope` left uninitialised when the next
     outermost one closes (`model.train_step` opens one): it must not, they are abstract."""
-    from keras_mp.keras_internals import global_state
+    from keras_mp.keras_glue.keras_internals import global_state
 
     global_state.set_global_attribute("uninitialized_variables", [])
 
@@ -248,7 +244,7 @@ def build(policy: str, kwargs: dict, distribution, remat: bool, model_name: str 
     import keras_hub
 
     import keras_mp as kmp
-    from keras_mp.keras_internals import StatelessScope
+    from keras_mp.keras_glue.keras_internals import StatelessScope
 
     dtype = POLICIES[policy]
     stock = policy.startswith("stock_")
@@ -260,7 +256,7 @@ def build(policy: str, kwargs: dict, distribution, remat: bool, model_name: str 
     def scopes(with_remat=True):
         found = [] if distribution is None else [distribution.scope()]
         if remat and with_remat:
-            names = [f"{MODELS[model_name][5]}{i}" for i in range(num_layers)]
+            names = [f"{MODELS[model_name].block}{i}" for i in range(num_layers)]
             found.append(keras.RematScope(mode="list_of_layers", layer_names=names))
         return found
 
@@ -277,7 +273,7 @@ def build(policy: str, kwargs: dict, distribution, remat: bool, model_name: str 
     else:
         loss = kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
     forced = 0
-    task = getattr(keras_hub.models, MODELS[model_name][1])
+    task = getattr(keras_hub.models, MODELS[model_name].task)
     compile_method = task.compile
     with StatelessScope(initialize_variables=False), _entered(scopes()):
         task.compile = lambda self, *args, **kwargs: None
@@ -489,9 +485,9 @@ def main(argv=None) -> int:
         gemma_attention.running_on_gpu = lambda: True
     mesh = args.mesh or ("model" if args.devices > 1 else "none")
     devices = devices_for(args.target, args.devices)
-    _, _, full, tiny, model_sequence, _ = MODELS[args.model]
-    kwargs = tiny if args.tiny else full
-    sequence = args.sequence or model_sequence
+    spec = MODELS[args.model]
+    kwargs = spec.tiny if args.tiny else spec.full
+    sequence = args.sequence or spec.sequence
     status = 0
     from keras_mp.cli.records import emit
 

@@ -23,7 +23,8 @@ import keras  # noqa: E402
 import lean_speed as ls  # noqa: E402
 
 import keras_mp as kmp  # noqa: E402
-from keras_mp.lean.optimizer import _SMALL, LeanOptimizer  # noqa: E402
+from keras_mp.lean.optimizer import LeanOptimizer  # noqa: E402
+from keras_mp.lean.packed_step import SMALL as _SMALL  # noqa: E402
 from keras_mp.lean.rule import lean_rule  # noqa: E402
 
 

@@ -72,7 +72,7 @@ def target_sharding(target: str):
 def _answer_flash_attention_as_a_gpu() -> None:
     """Keras' JAX backend enables cuDNN flash attention where the local GPU supports it;
     with no local GPU, answer for the target (compute capability >= 8.0, cuDNN >= 9)."""
-    from keras_mp.keras_internals import jax_nn as _jax_nn
+    from keras_mp.keras_glue.keras_internals import jax_nn as _jax_nn
 
     jax_nn = _jax_nn()
 
@@ -179,7 +179,7 @@ def step_record(
     with remat_scope(workload, remat_layers):
         model = _compiled_model(workload, base, True, keep_fp32)
     if recompute:
-        from keras_mp.recompute import recompute_elementwise
+        from keras_mp.memory.recompute import recompute_elementwise
 
         recompute_elementwise(model)
     x, y = workload.data(np.random.default_rng(0))

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 
 import keras_mp.keep_list as keep_list
-from keras_mp.quiet import ignoring
+from keras_mp.keras_glue.quiet import ignoring
 
 __all__ = [
     "DEFAULT_KEEP_FP32",
@@ -137,7 +137,7 @@ class Policy(keras.DTypePolicy):
         super().__init__(name)
         self.float8_recipe = None
         if name == "float8":
-            from keras_mp.float8 import as_recipe
+            from keras_mp.float8.recipe import as_recipe
 
             self.float8_recipe = as_recipe(float8_recipe)
         elif float8_recipe is not None:

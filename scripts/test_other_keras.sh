@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The TensorFlow pass again on another Keras, for what differs between Keras versions: the
-# modules that reach Keras' API beyond its public surface (keras_mp/keras_internals.py and the
-# features built on it: policies, loss scaling, lean, losses, layers, float8, saving,
+# modules that reach Keras' API beyond its public surface (keras_mp/keras_glue/keras_internals.py
+# and the features built on it: policies, loss scaling, lean, losses, layers, float8, saving,
 # conversion). scripts/test.sh covers the newest Keras pip resolves.
 #
 #   bash scripts/test_other_keras.sh oldest    # the oldest Keras setup.cfg allows (keras>=X)
@@ -17,8 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 which="${1:?usage: test_other_keras.sh oldest|nightly [pytest args]}"
 shift
-# The nightly checked last (keras_mp/keras_internals.py's SUPPORTED_KERAS reaches it); set
-# KMP_KERAS_NIGHTLY=latest for the newest one on the index.
+# The nightly checked last (SUPPORTED_KERAS in keras_mp/keras_glue/keras_internals.py reaches
+# it); set KMP_KERAS_NIGHTLY=latest for the newest one on the index.
 NIGHTLY="${KMP_KERAS_NIGHTLY:-3.16.0.dev2026102704}"
 case "$which" in
   oldest)

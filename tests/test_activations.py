@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-from keras_mp.activations import gelu
+from keras_mp.numerics.activations import gelu
 
 X = np.linspace(-9.0, 9.0, 2**14 + 1)  # enough values for the TF kernel (MIN_ELEMENTS)
 BF16 = ml_dtypes.bfloat16
@@ -275,7 +275,7 @@ def test_converted_bfloat16_gelu_and_layer_norm_model_trains_and_exports(tmp_pat
 def test_erfc_fallback_for_keras_without_ops_erfc():
     # Keras 3.12 (the oldest TensorFlow 2.21 allows) has no `ops.erfc`: the fallback keeps
     # float32's relative precision over the whole range, the far tail included.
-    from keras_mp.gelu_math import _erfc_rational
+    from keras_mp.numerics.gelu_math import _erfc_rational
 
     z = np.concatenate([np.linspace(-6, 6, 241), [-9.0, 7.5, 9.0]]).astype("float32")
     got = keras.ops.convert_to_numpy(_erfc_rational(keras.ops.convert_to_tensor(z)))
@@ -294,4 +294,4 @@ def test_backend_neutral_gelu_does_not_import_the_tensorflow_module_back():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "keras_mp.activations" not in imported
-    assert "keras_mp.gelu_math" in imported
+    assert "keras_mp.numerics.gelu_math" in imported

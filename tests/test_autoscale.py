@@ -1,4 +1,4 @@
-"""Compiling under a keras_mp policy gives keras_mp's loss scaler (keras_mp.autoscale)."""
+"""Compiling under a keras_mp policy gives keras_mp's loss scaler (keras_mp.scaling.autoscale)."""
 
 import warnings
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from keras_mp.cli import startup
-from keras_mp.extras import MissingExtraError, install_command, installed, require
+from keras_mp.keras_glue.extras import MissingExtraError, install_command, installed, require
 
 ROOT = Path(__file__).resolve().parents[1]
 

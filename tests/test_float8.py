@@ -324,7 +324,7 @@ def _wide_model(width, depth=2):
 
 
 def test_matmul_sides_of_dense_and_attention_kernels():
-    from keras_mp.float8_payoff import _sides
+    from keras_mp.float8.payoff import _sides
 
     assert _sides((64, 256)) == (64, 256)
     assert _sides((16, 4, 8), "abc,cde->abde") == (16, 32)  # query projection: d -> heads
@@ -347,7 +347,7 @@ def test_convert_to_float8_says_when_it_will_be_slower():
         warnings.simplefilter("error", f8.Float8SlowerWarning)
         kmp.convert(small, "mixed_bfloat16", check=None)
     # the output layer (256 -> 2) stays bfloat16: the two 256 x 256 kernels count
-    from keras_mp.float8_payoff import typical_side
+    from keras_mp.float8.payoff import typical_side
 
     assert typical_side(converted) == pytest.approx(256.0)
     assert f8.float8_speedup_expected(converted, devices=[H100]) is False

@@ -408,7 +408,7 @@ def test_layer_norm_and_gelu_kernels_need_less_temporary_memory_than_keras():
     Keras 3.12), so GELU is held to 2 inputs less and at most two thirds of Keras'."""
     import tensorflow as tf
 
-    from keras_mp.activations import gelu
+    from keras_mp.numerics.activations import gelu
 
     n, d = 4096, 1024
     x = tf.cast(tf.random.stateless_normal([n, d], seed=[1, 2]), "bfloat16")

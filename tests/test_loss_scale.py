@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from keras import ops
 
 import keras_mp as kmp
-from keras_mp.loss_scale import (
+from keras_mp.scaling.loss_scale import (
     LossScaleConfig,
     LossScaleState,
     initial_loss_scale_state,

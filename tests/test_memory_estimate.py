@@ -266,7 +266,7 @@ def test_without_jax_the_estimate_says_what_to_install(tmp_path):
 
 
 def test_a_jax_subprocess_that_dies_is_an_error_not_a_report():
-    from keras_mp.memory_estimate import _subprocess_report
+    from keras_mp.memory.memory_estimate import _subprocess_report
 
     died = subprocess.CompletedProcess([], 1, stdout="", stderr="Traceback\nOSError: boom\n")
     with pytest.raises(RuntimeError, match="exit status 1: OSError: boom"):

@@ -1,4 +1,4 @@
-"""keras_mp.patches: what `import keras_mp` changes in Keras, `KERAS_MP_NO_PATCH`, uninstall."""
+"""keras_glue.patches: what `import keras_mp` changes in Keras, `KERAS_MP_NO_PATCH`, uninstall."""
 
 import json
 import os

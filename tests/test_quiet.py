@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-from keras_mp.quiet import ignoring
+from keras_mp.keras_glue.quiet import ignoring
 
 
 def _warn(text):

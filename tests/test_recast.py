@@ -1,4 +1,4 @@
-"""keras_mp.recast: variables re-created in another dtype, values rounded, under `-W error`."""
+"""numerics.recast: variables re-created in another dtype, values rounded, under `-W error`."""
 
 import warnings
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-from keras_mp.recast import host_value
+from keras_mp.numerics.recast import host_value
 
 
 def _model():

@@ -6,7 +6,7 @@ import pytest
 
 import keras_mp as kmp
 from keras_mp.cli.workloads import WORKLOADS
-from keras_mp.recompute import regions
+from keras_mp.memory.recompute import regions
 
 JAX = keras.backend.backend() == "jax"
 needs_jax = pytest.mark.skipif(not JAX, reason="jax.checkpoint: the JAX backend only")

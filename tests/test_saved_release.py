@@ -1,11 +1,13 @@
-"""`.keras` files written by the previous release (0.1.0, before the package regroup) load.
+"""`.keras` files written by earlier code load: the 0.1.0 release and main before issue 53.
 
 The files in tests/data/release_0_1_0/ were written by keras_mp 0.1.0 on TensorFlow (Keras
 3.15.1): a small attention model converted to `mixed_float16` (kmp.LossScaleOptimizer) and
-to `lean_bfloat16` (kmp.LeanOptimizer), each trained two epochs, then saved. Their configs
-name the old modules (`keras_mp.lean`, `keras_mp.callbacks`, ...); loading must find every
-class by its registered name, give the same predictions, the same dtype policy per layer and
-the same optimizer state, and train on.
+to `lean_bfloat16` (kmp.LeanOptimizer), each trained two epochs, then saved. Those in
+tests/data/pre_regroup/ were written the same way (tests/data/write_saved_files.py) by main
+just before the package regroup (issue 53), with kmp losses and today's lean defaults. Their
+configs name the old modules (`keras_mp.loss_scale`, `keras_mp.layers`, `keras_mp.losses`,
+`keras_mp.lean`, ...); loading must find every class by its registered name, give the same
+predictions, the same dtype policy per layer and the same optimizer state, and train on.
 """
 
 import json
@@ -17,9 +19,8 @@ import pytest
 
 import keras_mp as kmp
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "release_0_1_0")
-with open(os.path.join(DATA, "expected.json")) as f:
-    EXPECTED = json.load(f)
+DATA = os.path.join(os.path.dirname(__file__), "data")
+RELEASES = ("release_0_1_0", "pre_regroup")
 
 
 def _batch():
@@ -29,19 +30,21 @@ def _batch():
     return x, y
 
 
+@pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize("policy", ["mixed_float16", "lean_bfloat16"])
 @pytest.mark.parametrize("loader", [keras.saving.load_model, kmp.saving.load_model])
-def test_previous_release_file_loads_and_trains_on(policy, loader):
+def test_previous_release_file_loads_and_trains_on(release, policy, loader):
     import inspect
 
     if "quantization_config" not in inspect.signature(keras.layers.Dense.__init__).parameters:
         pytest.skip(
-            "the 0.1.0 files were written by Keras 3.15.1, whose Dense config carries "
+            "these files were written by Keras 3.15.1, whose Dense config carries "
             f"`quantization_config`; Keras {keras.__version__}'s Dense rejects it (Keras "
             "does not load files written by a newer Keras)"
         )
-    want = EXPECTED["models"][policy]
-    model = loader(os.path.join(DATA, f"{policy}.keras"))
+    with open(os.path.join(DATA, release, "expected.json")) as f:
+        want = json.load(f)["models"][policy]
+    model = loader(os.path.join(DATA, release, f"{policy}.keras"))
     x, y = _batch()
 
     assert type(model.optimizer).__name__ == want["optimizer"]

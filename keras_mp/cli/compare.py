@@ -29,7 +29,7 @@ import keras
 import numpy as np
 
 import keras_mp as kmp
-import keras_mp.losses as kmp_losses
+import keras_mp.numerics.losses as kmp_losses
 from keras_mp.cli.data import Dataset, build_model, load_dataset
 from keras_mp.cli.records import EpochRecorder, peak_memory, reset_peak_memory
 from keras_mp.cli.settings import CALIBRATED, DEFAULT_POLICIES, CompareConfig, lean_variant

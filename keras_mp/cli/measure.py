@@ -204,7 +204,7 @@ def _compiled_model(workload, policy: str, jit_compile: bool, keep_fp32, steps_p
         jit_compile=jit_compile,
         steps_per_execution=steps_per_execution,
         # A stock row is Keras as it is without keras_mp: importing keras_mp gives Keras'
-        # own mixed_bfloat16 the skip-only scaler (keras_mp.autoscale), which this turns
+        # own mixed_bfloat16 the skip-only scaler (keras_mp.scaling.autoscale), which this turns
         # off. Keras itself reads the flag only to wrap float16, done above by hand.
         auto_scale_loss=not stock,
     )
@@ -339,7 +339,7 @@ def run_one(
         with remat_scope(workload, remat_layers):
             model, x, y = model_and_batch(workload, policy, jit_compile, keep_fp32)
         if recompute:
-            from keras_mp.recompute import recompute_elementwise
+            from keras_mp.memory.recompute import recompute_elementwise
 
             recompute_elementwise(model)  # a clear error on TensorFlow
         start = time.perf_counter()

@@ -22,7 +22,7 @@ import json
 import os
 import zipfile
 
-from keras_mp.extras import install_command, installed
+from keras_mp.keras_glue.extras import install_command, installed
 
 __all__ = ["DESCRIPTION", "HELP", "MODELS", "add_arguments", "check", "run"]
 
@@ -222,7 +222,7 @@ def _inputs(model, args) -> list:
 
 def run(args: argparse.Namespace) -> int:
     """Prints the report; returns 0 when every policy fits, else 1."""
-    from keras_mp.memory_estimate import estimate_memory
+    from keras_mp.memory.memory_estimate import estimate_memory
 
     y = None
     if args.model in MODELS:

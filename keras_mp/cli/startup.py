@@ -6,7 +6,7 @@ command line nothing. Unless the user set `TF_CPP_MIN_LOG_LEVEL` or passes `--ve
 `quiet_environment` raises that level before the backend loads. Some lines are written
 before TensorFlow applies the level, so `start` imports the backend and lists its devices
 with stderr captured, and passes on every captured line that is not a log line below the
-level (`keras_mp.backend_logs`). A user-set level is respected the same way.
+level (`keras_mp.keras_glue.backend_logs`). A user-set level is respected the same way.
 
 Nothing here imports Keras at module level.
 """
@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 
-from keras_mp.backend_logs import (
+from keras_mp.keras_glue.backend_logs import (
     LOG_LEVEL_VARIABLE,
     captured_stderr,
     is_backend_log,
@@ -143,7 +143,7 @@ def check_backend_installed(environ=None) -> None:
     """
     if "keras" in sys.modules:
         return
-    from keras_mp.extras import install_command, installed
+    from keras_mp.keras_glue.extras import install_command, installed
 
     environ = os.environ if environ is None else environ
     name = configured_backend(environ)

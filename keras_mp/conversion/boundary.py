@@ -41,7 +41,7 @@ import types
 
 import keras
 
-from keras_mp.keras_internals import get_keras_mask, set_keras_mask
+from keras_mp.keras_glue.keras_internals import get_keras_mask, set_keras_mask
 
 __all__ = [
     "INDEX_LAYERS",
@@ -114,7 +114,7 @@ def cast_at_boundaries(layers: list, parents: dict) -> int:
 
 
 def _graph(layer) -> bool:
-    from keras_mp.keras_internals import Functional
+    from keras_mp.keras_glue.keras_internals import Functional
 
     return isinstance(layer, (Functional, keras.Sequential))
 

@@ -20,7 +20,7 @@ from typing import Any
 import keras
 
 import keras_mp.keep_list as keep_list
-import keras_mp.optimizer_guard as optimizer_guard
+import keras_mp.scaling.optimizer_guard as optimizer_guard
 from keras_mp.conversion import calibration
 from keras_mp.conversion import runcheck as _runcheck
 from keras_mp.conversion.boundary import (
@@ -29,7 +29,7 @@ from keras_mp.conversion.boundary import (
     keep_index_inputs,
 )
 from keras_mp.conversion.model_copy import copy_model, pair_layers, recast_variables
-from keras_mp.keras_internals import DotNotTrackScope
+from keras_mp.keras_glue.keras_internals import DotNotTrackScope
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
 
 __all__ = ["apply_plan", "convert", "plan"]
@@ -169,8 +169,8 @@ def _track_after_dropout(attention, softmax) -> None:
 
 
 def _swap_layers(layers, where: dict, the_plan: keep_list.Plan, policy: Policy) -> None:
-    import keras_mp.activations as activations
-    import keras_mp.layers as kmp_layers
+    import keras_mp.numerics.activations as activations
+    import keras_mp.numerics.layers as kmp_layers
 
     fast_norm = "normalization" in policy.keep_fp32
     for layer in layers:
@@ -210,7 +210,7 @@ def _warn_unmatched(model: keras.Model, policy: Policy) -> None:
 
 
 def _warn_stock_scaler(model: keras.Model) -> None:
-    from keras_mp.autoscale import stock_scaler_message
+    from keras_mp.scaling.autoscale import stock_scaler_message
 
     message = stock_scaler_message(model)
     if message:
@@ -263,7 +263,7 @@ def convert(
     original is not modified. The pins are part of the saved model: every layer's dtype is
     one `DTypePolicyMap`, which Keras and keras_hub save and rebuild on load. If the model
     was compiled, the copy is compiled from the same config; under `"mixed_float16"` that
-    (and any later `compile`) gives it `kmp.LossScaleOptimizer` (see `keras_mp.autoscale`).
+    (and any later `compile`) gives it `kmp.LossScaleOptimizer` (see `keras_mp.scaling.autoscale`).
 
     Args:
         model: A built Keras model (the float32 model when calibrating).
@@ -341,8 +341,8 @@ def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
     # master weights where the source stored bfloat16 ones (a lean model: exact).
     recast_variables(new, trainable_only=policy.is_lean)
     if policy.name == "float8":
-        from keras_mp.float8 import apply_float8
-        from keras_mp.float8_payoff import warn_if_float8_will_not_pay
+        from keras_mp.float8.layers import apply_float8
+        from keras_mp.float8.payoff import warn_if_float8_will_not_pay
 
         apply_float8(new, policy.float8_recipe)  # the output layers stay bfloat16
         warn_if_float8_will_not_pay(new)  # a user should not lose 30% without a word
@@ -389,14 +389,14 @@ def _compile_like(model: keras.Model, new: keras.Model, policy: Policy) -> None:
     config = model.get_compile_config() if model.compiled else None
     if config is None:
         return
-    from keras_mp.keras_internals import Trainer
+    from keras_mp.keras_glue.keras_internals import Trainer
     from keras_mp.lean import LeanOptimizer
 
     config = keras.saving.deserialize_keras_object(config)
     optimizer = config.get("optimizer")
     if isinstance(optimizer, LeanOptimizer) and not policy.is_lean:
         # a lean model converted to float32 weights: its plain optimizer, which the
-        # policy's own wrapping (`keras_mp.autoscale`) then gets
+        # policy's own wrapping (`keras_mp.scaling.autoscale`) then gets
         config["optimizer"] = optimizer.plain_optimizer()
     elif getattr(optimizer, "skip_only", False):
         # the fixed scale of 1 compile gave a bfloat16 or float32 model: the new policy

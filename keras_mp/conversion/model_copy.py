@@ -19,14 +19,14 @@ import types
 import keras
 import numpy as np
 
-from keras_mp.keras_internals import (
+from keras_mp.keras_glue.keras_internals import (
     DotNotTrackScope,
     DynamicBackend,
     Function,
     KerasSaveable,
     map_graph,
 )
-from keras_mp.recast import float32_statistics, own_variables, recast_variables
+from keras_mp.numerics.recast import float32_statistics, own_variables, recast_variables
 
 __all__ = ["copy_model", "float32_statistics", "pair_layers", "pair_variables", "recast_variables"]
 

@@ -43,7 +43,7 @@ def unpack(data):
 
 
 def to_numpy(t) -> np.ndarray:
-    from keras_mp.recast import host_value  # without NumPy 2's warning on TensorFlow
+    from keras_mp.numerics.recast import host_value  # without NumPy 2's warning on TensorFlow
 
     return host_value(t)
 

@@ -37,7 +37,7 @@ from keras_mp.conversion.trial import (
     sample_inputs,
     train_failure,
 )
-from keras_mp.quiet import ignoring
+from keras_mp.keras_glue.quiet import ignoring
 
 __all__ = [
     "CHECKS",

@@ -119,7 +119,7 @@ def compile_device(device=None) -> CompileDevice:
 def _forget_uninitialised() -> None:
     """Keras initialises the variables a `StatelessScope` left uninitialised when the next
     outermost scope closes (`train_step` opens one); abstract ones must stay so."""
-    from keras_mp.keras_internals import global_state
+    from keras_mp.keras_glue.keras_internals import global_state
 
     global_state.set_global_attribute("uninitialized_variables", [])
 
@@ -127,7 +127,7 @@ def _forget_uninitialised() -> None:
 @contextlib.contextmanager
 def unmaterialised():
     """A scope whose new Keras variables get a shape and a dtype, and no value."""
-    from keras_mp.keras_internals import StatelessScope
+    from keras_mp.keras_glue.keras_internals import StatelessScope
 
     try:
         with StatelessScope(initialize_variables=False):
@@ -160,7 +160,7 @@ def abstract_copy(model):
 def _flash_attention_as(answer: bool):
     """Keras asks the local GPU whether cuDNN flash attention runs; compiled for a GPU
     without one, answer as that GPU would (compute capability >= 8.0, cuDNN 9)."""
-    from keras_mp.keras_internals import jax_nn as _jax_nn
+    from keras_mp.keras_glue.keras_internals import jax_nn as _jax_nn
 
     jax_nn = _jax_nn()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_mp.keras_internals import Functional, Sequential
+from keras_mp.keras_glue.keras_internals import Functional, Sequential
 
 __all__ = [
     "addresses",

@@ -1,6 +1,7 @@
 """The lean training state: bfloat16 weights with compensated updates and compact moments.
 
-The face of the subpackage: `LeanOptimizer` (`optimizer.py`), its pure update rule
+The face of the subpackage: `LeanOptimizer` (`optimizer.py`; the variables it builds,
+`state.py`, and the step it applies, `step.py`), its pure update rule
 (`rule.py`) and its packed form for many variables at once (`packing.py`; the optimizer's
 packed groups and whole-step update, `packed_step.py`), the storage
 formats (`codecs.py`; the factored second moment, `factored.py`), the general path for

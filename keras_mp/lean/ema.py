@@ -10,8 +10,8 @@ rounding (`codecs.stochastic_round_bfloat16`, 16 random bits), so the average mo
 the right amount on average; float32 (and float16) averages are written as computed.
 
 Where keras_mp sees such a copy made, it says so: `install()` (done by `import keras_mp`,
-`keras_mp/patches.py`) wraps `keras.models.clone_model` to warn once when the model cloned
-has bfloat16 trainable weights, naming `ema_update` and the float32 copy.
+`keras_mp/keras_glue/patches.py`) wraps `keras.models.clone_model` to warn once when the
+model cloned has bfloat16 trainable weights, naming `ema_update` and the float32 copy.
 """
 
 from __future__ import annotations

@@ -33,7 +33,11 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_mp.keras_internals import BaseOptimizer, global_state, untracked_optimizer_variables
+from keras_mp.keras_glue.keras_internals import (
+    BaseOptimizer,
+    global_state,
+    untracked_optimizer_variables,
+)
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import sharding as lean_sharding
 from keras_mp.lean.rule import is_sparse, noise_seed, read, variable_seed
@@ -136,7 +140,7 @@ class GeneralState:
         config.update(_OUTER_ONLY)
         self.inner = _functional_class(type(inner)).from_config(config)
         self.inner.__dict__["_lean_real"] = {}
-        import keras_mp.optimizer_guard as optimizer_guard
+        import keras_mp.scaling.optimizer_guard as optimizer_guard
 
         optimizer_guard.exempt(self.inner)  # updates float32 placeholders, as its wrapper says
         self.kind = type(inner).__name__.lower()

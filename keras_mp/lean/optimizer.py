@@ -7,39 +7,28 @@ a block-wise 4-bit first moment and a factored second one (about 2.55 bytes a pa
 on a large transformer; 4-bit both, 3.06, from 2026-12-03; `rounding="kahan"` with
 `moments="int8"`, 5 bytes, was the default before 2026-12-03). Any other Keras optimizer
 (RMSprop, Adafactor, Lion, Muon...) keeps the same storage and runs its own update on
-the decoded float32 state (`keras_mp.lean.general`). Under the `"lean_bfloat16"` policy a model's
+the decoded float32 state (`keras_mp.lean.general`). The optimizer's variables are built by
+`keras_mp.lean.state` and its step runs in `keras_mp.lean.step`; this module holds its
+arguments, config and float32 views. Under the `"lean_bfloat16"` policy a model's
 trainable weights are bfloat16 (the keep-list's layers keep float32 weights) and
-`compile(optimizer="adamw")` gets a `LeanOptimizer` by itself (`keras_mp.autoscale`).
+`compile(optimizer="adamw")` gets a `LeanOptimizer` by itself (`keras_mp.scaling.autoscale`).
 Float32 weights are updated exactly; only their moments are compressed.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import os
 
 import keras
 from keras import ops
 
-import keras_mp.optimizer_guard as optimizer_guard
-from keras_mp.grad_finite import is_sparse, per_variable_finite
-from keras_mp.keras_internals import no_automatic_dependency_tracking
+import keras_mp.scaling.optimizer_guard as optimizer_guard
 from keras_mp.lean import codecs as lean_codecs
-from keras_mp.lean import factored, int4, packed_step, packing
+from keras_mp.lean import factored, int4
 from keras_mp.lean import general as lean_general
-from keras_mp.lean import sharding as lean_sharding
-from keras_mp.lean.packed_step import SMALL as _SMALL
-from keras_mp.lean.rule import (
-    Hyper,
-    Static,
-    constant,
-    dense_gradient,
-    lean_rule,
-    read,
-    to_float32,
-    variable_seed,
-)
+from keras_mp.lean.rule import read
+from keras_mp.lean.state import LeanState
+from keras_mp.lean.step import LeanStep
 
 __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 
@@ -51,7 +40,6 @@ __all__ = ["DEFAULT_MOMENTS", "DEFAULT_ROUNDING", "LeanOptimizer", "SUPPORTED"]
 # names both.
 DEFAULT_ROUNDING = "stochastic"
 DEFAULT_MOMENTS = "int4_factored"
-_FLAT_BLOCK = 128  # the longest block of a packed group's quantized moments
 
 # Optimizer classes whose state LeanOptimizer knows how to keep (exact types: a subclass
 # may change the update rule, which would be silently replaced).
@@ -74,8 +62,6 @@ _BASE_ARGS = (
 )
 
 
-_LABELS = ("momentum", "velocity")  # the moments' names in the optimizer's variables
-
 # How JAX runs the update of a variable with 4-bit moments: "xla" (`lean_rule`, traced
 # into the step) or "pallas" (`keras_mp.lean.kernel`: one Triton kernel a variable on
 # a GPU, Pallas' interpreter elsewhere). Opt-in until a GPU measures it (BENCHMARKS 16.5).
@@ -97,13 +83,8 @@ def _check_choice(name: str, value, choices) -> None:
         )
 
 
-def _codes_dtype(fmt: str) -> str:
-    """The storage dtype of a moment in format `fmt` (its codes, for a quantized one)."""
-    return {"int8": "uint8", "int4": "uint8", "bfloat16": "bfloat16"}.get(fmt, "float32")
-
-
 @keras.saving.register_keras_serializable(package="keras_mp")
-class LeanOptimizer(keras.optimizers.Optimizer):
+class LeanOptimizer(LeanState, LeanStep, keras.optimizers.Optimizer):
     """Any Keras optimizer with a compact persistent state and float32 update arithmetic.
 
     Adam, AdamW and SGD run a fused rule of their own (below); every other optimizer
@@ -216,7 +197,9 @@ class LeanOptimizer(keras.optimizers.Optimizer):
                 )
         rate = inner_optimizer._learning_rate
         if isinstance(rate, keras.Variable):
-            from keras_mp.recast import host_value  # NumPy 2 warns on np.array(tf.Variable)
+            from keras_mp.numerics.recast import (
+                host_value,  # NumPy 2 warns on np.array(tf.Variable)
+            )
 
             rate = float(host_value(rate))
         base = {a: getattr(inner_optimizer, a) for a in _BASE_ARGS}
@@ -265,361 +248,6 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     def general(self) -> bool:
         """Whether the optimizer runs the general path (its own update, decoded state)."""
         return self._general is not None
-
-    # -- state -----------------------------------------------------------------------
-
-    def _moment_format(self, variable) -> str:
-        size = 1
-        for d in variable.shape:
-            size *= int(d)
-        moments = factored.first_format(self.moments)  # "int4_factored": int4 but `v`
-        if moments in lean_codecs.QUANTIZED and size < self.min_quantized_size:
-            return "float32"
-        return moments
-
-    def _formats(self, variable) -> tuple:
-        """`(first, second)`: the formats of `variable`'s moments, None for a moment its
-        update has none of (SGD: a first moment with momentum only; no second)."""
-        fmt = self._moment_format(variable)
-        if self.kind in ("adam", "adamw"):
-            return fmt, factored.second_format(self.moments, variable.shape, fmt)
-        return (fmt if self.momentum > 0 else None), None
-
-    def _compensation_dtype(self, weight_dtype: str) -> str | None:
-        """The dtype of a weight's compensation buffer: int8 for `"kahan"`, bfloat16 for
-        `"kahan16"`, None for a stochastically rounded or a float32 weight (none kept)."""
-        if weight_dtype != "bfloat16" or self.rounding == "stochastic":
-            return None
-        return "int8" if self.rounding == "kahan" else "bfloat16"
-
-    def _add_moment(self, variable, name: str, place, blocks, initial=None, fmt=None) -> tuple:
-        """A moment's storage; `initial`: a callable of the format that gives the
-        initial `(codes, scales)` (default: zeros); `fmt`: its format (default:
-        `_moment_format`'s; `"factored"`: its row and column averages)."""
-        fmt = fmt or self._moment_format(variable)
-        if fmt == factored.FORMAT:
-            return factored.add_accumulators(self, variable, name, place)
-        initial = initial(fmt) if initial is not None else (None, None)
-        codes_shape, scales_shape = lean_codecs.moment_shapes(variable.shape, fmt, blocks)
-        dtype = _codes_dtype(fmt)
-        prefix = variable.path.replace("/", "_")
-        if scales_shape is None:
-            layouts = (lean_sharding.state_layout(place, variable.shape), None)
-        else:
-            layouts = lean_sharding.codes_layouts(place)
-        codes = self.add_variable(
-            codes_shape,
-            dtype=dtype,
-            name=f"{prefix}_{name}",
-            layout=layouts[0],
-            initializer=constant(initial[0]),
-        )
-        scales = None
-        if scales_shape is not None:
-            scales = self.add_variable(
-                scales_shape,
-                dtype="float32",
-                name=f"{prefix}_{name}_scale",
-                layout=layouts[1],
-                initializer=constant(initial[1]),
-            )
-        return fmt, codes, scales
-
-    @no_automatic_dependency_tracking
-    def build(self, var_list):
-        if self.built:
-            return
-        super().build(var_list)
-        self._slots = []
-        small = []  # (index, Static) of the variables whose state is packed
-        for index, variable in enumerate(var_list):
-            static = self._small_static(variable)
-            if static is not None:
-                small.append((index, static))
-                self._slots.append({"compensation": None, "m": None, "v": None, "group": None})
-                continue
-            place = lean_sharding.placement(variable, self.shard_over_data)
-            blocks = lean_sharding.blocks(place, variable.shape, self.block_length)
-            slot = {"compensation": None, "m": None, "v": None, "blocks": blocks, "group": None}
-            dtype = self._compensation_dtype(keras.backend.standardize_dtype(variable.dtype))
-            if dtype is not None:
-                slot["compensation"] = self.add_variable(
-                    tuple(variable.shape),
-                    dtype=dtype,
-                    name=variable.path.replace("/", "_") + "_compensation",
-                    layout=lean_sharding.state_layout(place, variable.shape),
-                )
-            if self._general is None:  # the general path adds its slots below
-                for key, label, fmt in zip(("m", "v"), _LABELS, self._formats(variable)):
-                    if fmt is not None:
-                        slot[key] = self._add_moment(variable, label, place, blocks, fmt=fmt)
-            self._slots.append(slot)
-        self._groups = packing.groups(
-            [static for _, static in small],
-            [self._decays(var_list[index]) for index, _ in small],
-        )
-        self._group_state = [
-            self._add_group_state(k, g.statics) for k, g in enumerate(self._groups)
-        ]
-        # each group's members as indices of the optimizer's variables, in the group's order
-        self._members = [[small[i][0] for i in g.indices] for g in self._groups]
-        for k, group in enumerate(self._groups):
-            start = offset = 0
-            for member, static in zip(group.indices, group.statics):
-                slot = self._slots[small[member][0]]
-                size = math.prod(static.shape)
-                slot.update(
-                    group=k,
-                    static=static,
-                    rows=(start, static.blocks.count),
-                    values=(offset, size),
-                )
-                start += static.blocks.count
-                offset += size
-        if self._general is not None:
-            self._general.build(self, var_list)
-        # Last, so files saved before it existed load (`load_own_variables`).
-        self.skipped_steps = self.add_variable(
-            (), dtype="int32", name="skipped_steps", aggregation="only_first_replica"
-        )
-
-    def _small_static(self, variable):
-        """The `Static` of a variable whose state a packed group keeps (`pack_small`: under
-        `_SMALL` values, and whole on each device), with its blocks as laid out there; None
-        for a variable that keeps its own state."""
-        size = math.prod(variable.shape)
-        if not self.pack_small or self.shard_over_data or self._general is not None:
-            return None
-        if size >= _SMALL:
-            return None
-        if any(n != 1 for n in lean_sharding.placement(variable).shards):
-            return None  # split across devices (ModelParallel): its state is split alike
-        fmt = self._moment_format(variable)
-        formats = self._formats(variable)
-        # quantized moments: whole blocks of each variable, at most _FLAT_BLOCK values a
-        # scale; other formats have no blocks (rows of one value: no padding)
-        length = min(self.block_length, _FLAT_BLOCK) if fmt in lean_codecs.QUANTIZED else 1
-        rank = len(variable.shape)
-        blocks = lean_codecs.Blocks((1,) * rank, max(1, -(-size // length)), length)
-        return Static(
-            shape=tuple(variable.shape),
-            weight_dtype=keras.backend.standardize_dtype(variable.dtype),
-            m=formats[0],
-            v=formats[1],
-            blocks=blocks,
-        )
-
-    def _decays(self, variable) -> bool:
-        return self.weight_decay is not None and bool(self._use_weight_decay(variable))
-
-    def _add_group_state(self, k: int, statics: tuple) -> dict:
-        """The shared state variables of packed group `k` (`pack_small`): its rows of
-        compensation and moments."""
-        first = statics[0]
-        rows = sum(st.blocks.count for st in statics)
-        length = first.blocks.length
-        layout = lean_codecs.Blocks((1, 1), rows, length)
-        state = {}
-        dtype = self._compensation_dtype(first.weight_dtype)
-        if dtype is not None:
-            state["compensation"] = self.add_variable(  # the members' values: no padding
-                (sum(math.prod(st.shape) for st in statics),),
-                dtype=dtype,
-                name=f"small{k}_compensation",
-            )
-        for name, label in zip(("m", "v"), _LABELS):
-            fmt = getattr(first, name)
-            if fmt is None:
-                continue
-            codes_shape, scales_shape = lean_codecs.moment_shapes((rows, length), fmt, layout)
-            state[name] = self.add_variable(
-                codes_shape, dtype=_codes_dtype(fmt), name=f"small{k}_{label}"
-            )
-            if scales_shape is not None:
-                state[name + "_scale"] = self.add_variable(
-                    scales_shape, dtype="float32", name=f"small{k}_{label}_scale"
-                )
-        return state
-
-    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
-        """EMA averages and gradient accumulators are float32 whatever the weight's dtype."""
-        if name in ("average", "gradient_accumulator") and reference_variable.dtype != "float32":
-            prefix = reference_variable.path.replace("/", "_")
-            return self.add_variable(
-                tuple(reference_variable.shape),
-                initializer=initializer,
-                dtype="float32",
-                name=f"{prefix}_{name}",
-                layout=getattr(reference_variable, "_layout", None),
-            )
-        return super().add_variable_from_reference(reference_variable, name, initializer)
-
-    # -- the update --------------------------------------------------------------------
-
-    def apply(self, grads, trainable_variables=None):
-        """Applies one step; gradients are taken to float32 first (clipping included)."""
-        grads = [None if g is None else to_float32(g) for g in grads]
-        # One inf or NaN anywhere skips the whole step, as float16's scaler does: every
-        # gradient is then made NaN, so each variable's update keeps its weight and
-        # moments (a select XLA fuses into the update; a finite step passes through).
-        finite = ops.all(per_variable_finite(grads))
-        grads = [None if g is None else _poisoned(g, finite) for g in grads]
-        result = super().apply(grads, trainable_variables)
-        # counted as float16's skipped steps are (`LossScaleMonitor`, `Telemetry`)
-        self.skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
-        return result
-
-    def _apply_weight_decay(self, variables):
-        return  # decoupled decay is part of update_step, in float32
-
-    def _inputs(self, gradient, variable, learning_rate) -> tuple:
-        """`(static, values, writes)` of one variable's update: what `lean_rule` is
-        specialised on, its inputs, and the variables its outputs are assigned to."""
-        index = self._get_variable_index(variable)
-        slot = self._slots[index]
-        values = self._values(gradient, variable, learning_rate, index)
-        writes = {"weight": variable}
-        if slot["compensation"] is not None:
-            values["compensation"] = read(slot["compensation"])
-            writes["compensation"] = slot["compensation"]
-        for name in ("m", "v"):
-            if slot[name] is not None:
-                _, codes, scales = slot[name]
-                values[name], writes[name] = read(codes), codes
-                if scales is not None:
-                    values[name + "_scale"], writes[name + "_scale"] = read(scales), scales
-        static = Static(
-            shape=tuple(variable.shape),
-            weight_dtype=keras.backend.standardize_dtype(variable.dtype),
-            m=None if slot["m"] is None else slot["m"][0],
-            v=None if slot["v"] is None else slot["v"][0],
-            blocks=slot["blocks"],
-        )
-        return static, values, writes
-
-    def _values(self, gradient, variable, learning_rate, index: int) -> dict:
-        """A variable's `lean_rule` inputs other than its stored state."""
-        gradient, square = dense_gradient(gradient)
-        values = {
-            "weight": read(variable),
-            "grad": gradient,
-            "lr": ops.cast(learning_rate, "float32"),
-            "iterations": ops.cast(self.iterations, "int32"),
-            "seed": ops.convert_to_tensor(variable_seed(index), "int32"),
-        }
-        if square is not None:
-            values["grad_square"] = square
-        if self._decays(variable):
-            values["weight_decay"] = ops.cast(self.weight_decay, "float32")
-        return values
-
-    def _write(self, new: dict, writes: dict) -> None:
-        for name, target in writes.items():
-            self.assign(target, new[name])
-
-    def update_step(self, gradient, variable, learning_rate):
-        if self._general is not None:
-            raise NotImplementedError(
-                f"LeanOptimizer({self.kind}): the general path updates all variables at "
-                "once; it does not run under a tf.distribute strategy (Adam, AdamW and SGD "
-                "do)."
-            )
-        if self._slots[self._get_variable_index(variable)]["group"] is not None:
-            raise RuntimeError(  # the packed groups update together (_backend_update_step)
-                f"LeanOptimizer: {variable.path!r} is updated with its packed group, not "
-                "on its own (pack_small)."
-            )
-        static, values, writes = self._inputs(gradient, variable, learning_rate)
-        new = self._kernel_rule(static, values)
-        self._write(self._rule_for(static)(values) if new is None else new, writes)
-
-    def _kernel_rule(self, static: Static, values: dict) -> dict | None:
-        """One variable's new state by `keras_mp.lean.kernel` where it is chosen
-        (`KERAS_MP_LEAN_KERNEL=pallas`, JAX, no distribution) and applies; else None
-        (`lean_rule`'s turn)."""
-        if self._kernel == "pallas" and keras.backend.backend() == "jax":
-            from keras_mp.lean import kernel as lean_kernel
-
-            hyper = self._hyper()
-            if keras.distribution.distribution() is None and lean_kernel.applies(
-                static, hyper, values
-            ):
-                return lean_kernel.lean_kernel_rule(static, hyper, values)
-        return None
-
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        """All variables' updates: each packed group of small variables (`pack_small`, or
-        on TensorFlow the variables under `_SMALL` values grouped for the step) as one,
-        each larger variable on its own, all behind one finiteness test. On TensorFlow
-        the whole update is one XLA computation that reads and writes the variables
-        itself (`packed_step.compiled_update`); on JAX it is traced into the step. Under a
-        `tf.distribute` strategy, each group and each larger variable in the strategy's
-        update context (`_distributed_tf_update_step`)."""
-        if self._general is not None and grads:
-            if keras.backend.backend() == "tensorflow":
-                import tensorflow as tf
-
-                if tf.distribute.has_strategy():
-                    return super()._backend_update_step(grads, trainable_variables, learning_rate)
-            return self._general.apply(self, grads, trainable_variables, learning_rate)
-        loose = not self._groups and (
-            not self._pack_updates or keras.distribution.distribution() is not None
-        )
-        if not grads or loose:
-            return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            if tf.distribute.has_strategy():
-                return super()._backend_update_step(grads, trainable_variables, learning_rate)
-            return packed_step.compiled_update(self, grads, trainable_variables, learning_rate)
-        packed_step.packed_update(self, grads, trainable_variables, learning_rate)
-
-    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
-        """TensorFlow under a `tf.distribute` strategy: Keras' per-variable update for the
-        variables with a state of their own; each packed group in the update context of
-        its first member, its members and state read and written there (each replica's
-        own copies)."""
-        members, alone = packed_step.by_group(self, grads_and_vars)
-        if alone:
-            super()._distributed_tf_update_step(distribution, alone, learning_rate)
-
-        def group_update(anchor, k, grads, variables, learning_rate):
-            del anchor  # the update context's variable: the group's first member
-            packed_step.group_update(self, k, grads, variables, learning_rate, guard=True)
-
-        for k, (grads, variables) in members.items():
-            distribution.extended.update(
-                variables[0],
-                group_update,
-                args=(k, grads, variables, learning_rate),
-                group=False,
-            )
-
-    def _rule_for(self, static: Static):
-        """The pure update for variables like `static`; on TensorFlow compiled with XLA
-        (one fused kernel per shape, whether or not the train step itself is), elsewhere
-        as it is (JAX traces it into the step)."""
-        rule = functools.partial(lean_rule, static, self._hyper())
-        if keras.backend.backend() != "tensorflow":
-            return rule
-        cache = self.__dict__.setdefault("_compiled_rules", {})
-        if static not in cache:
-            import tensorflow as tf
-
-            cache[static] = tf.function(rule, jit_compile=True, autograph=False)
-        return cache[static]
-
-    def _hyper(self) -> Hyper:
-        return Hyper(
-            kind=self.kind,
-            rounding=self.rounding,
-            beta_1=self.beta_1,
-            beta_2=self.beta_2,
-            epsilon=self.epsilon,
-            momentum=self.momentum,
-            nesterov=self.nesterov,
-        )
 
     def weights_float32(self) -> list:
         """The float32 values the trainable weights stand for (bfloat16 weight plus its
@@ -728,14 +356,6 @@ class LeanOptimizer(keras.optimizers.Optimizer):
     def from_config(cls, config, custom_objects=None):
         inner, own = _split_config(config, custom_objects)
         return cls(inner, **own)
-
-
-def _poisoned(g, finite):
-    """`g` where `finite`, else NaN (a sparse gradient's values likewise)."""
-    nan = ops.full((), float("nan"), "float32")
-    if is_sparse(g):
-        return type(g)(ops.where(finite, g.values, nan), g.indices, g.dense_shape)
-    return ops.where(finite, g, nan)
 
 
 def _split_config(config: dict, custom_objects=None) -> tuple:

@@ -11,9 +11,9 @@ from typing import NamedTuple
 import keras
 from keras import ops
 
-from keras_mp.grad_finite import is_sparse
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import factored
+from keras_mp.scaling.grad_finite import is_sparse
 
 __all__ = [
     "Hyper",

@@ -1,8 +1,8 @@
 """Seeing what mixed precision does: `audit()` and its report, callbacks, telemetry.
 
-The face of the subpackage: the audit (`auditor.py`, its report in `audit_report.py`),
-the training callbacks (`callbacks.py`: `kmp.callbacks`) and the loss-scale telemetry
-they share (`telemetry.py`).
+The face of the subpackage: the audit (`auditor.py`, its per-layer checks in
+`layer_checks.py`, its report in `audit_report.py`), the training callbacks (`callbacks.py`:
+`kmp.callbacks`) and the loss-scale telemetry they share (`telemetry.py`).
 """
 
 from keras_mp.observe import callbacks, telemetry

@@ -10,7 +10,6 @@ its matmul/conv dimensions suit tensor cores (multiples of 8). It works on float
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -20,113 +19,17 @@ import numpy as np
 
 import keras_mp.keep_list as keep_list
 from keras_mp.conversion.probe import gradients, to_numpy, trace, unpack
-from keras_mp.keep_list import emits_logits
 from keras_mp.observe.audit_report import AuditReport, LayerAudit, VariableAudit
+from keras_mp.observe.layer_checks import (
+    _LOW,
+    FP16_MAX,
+    _fp32_reason,
+    _gradient_facts,
+    _handles_own_precision,
+    _matmul_dims,
+)
 
 __all__ = ["AuditReport", "LayerAudit", "VariableAudit", "audit"]
-
-FP16_MAX = 65504.0
-_LOW = ("float16", "bfloat16")
-_SOFTMAX = ("softmax", "log_softmax")
-# Stock Keras layers whose call upcasts half-precision inputs to float32 internally.
-_UPCASTS_INTERNALLY = (
-    "BatchNormalization",
-    "LayerNormalization",
-    "GroupNormalization",
-    "RMSNormalization",
-)
-_NORMALIZATION = _UPCASTS_INTERNALLY + ("UnitNormalization",)
-_ATTENTION = ("MultiHeadAttention", "GroupedQueryAttention", "Attention", "AdditiveAttention")
-
-
-def _gradient_facts(g: np.ndarray, scale: float) -> dict:
-    finite = np.isfinite(g)
-    nonzero = finite & (g != 0)
-    n = int(np.count_nonzero(nonzero))
-    vals = g[nonzero]
-
-    def underflow(s):
-        with np.errstate(over="ignore"):  # overflow to inf is not underflow
-            return float(np.count_nonzero((vals * s).astype(np.float16) == 0) / n) if n else 0.0
-
-    over = float(np.count_nonzero(np.abs(vals * scale) > FP16_MAX) / n) if n else 0.0
-    return {
-        "grad_underflow_at_1": underflow(1.0),
-        "grad_underflow_at_scale": underflow(scale),
-        "grad_overflow_at_scale": over,
-        "grad_nonfinite": float(1 - finite.mean()) if g.size else 0.0,
-        "grad_max_abs": float(np.max(np.abs(vals))) if n else 0.0,
-    }
-
-
-# -- per-layer facts ----------------------------------------------------------------------
-
-
-def _class_names(layer) -> set:
-    return {c.__name__ for c in type(layer).__mro__}
-
-
-def _fp32_reason(layer, is_output: bool, keep_fp32, lean: bool = False) -> str | None:
-    names = _class_names(layer)
-    act = getattr(layer, "activation", None)
-    act_name = getattr(act, "__name__", act if isinstance(act, str) else None)
-    if "Softmax" in names or act_name in _SOFTMAX:
-        return "softmax"
-    if names & set(_NORMALIZATION):
-        return "normalization"
-    if names & set(_ATTENTION):
-        return "attention softmax"
-    if (
-        is_output
-        and not keep_list.sublayers(layer)
-        and not (emits_logits(layer) and (layer.variable_dtype == "float32" or lean))
-    ):
-        # A logits projection with FP32 master weights (or lean_bfloat16's compensated
-        # bfloat16 weights) may run low: the loss up-casts.
-        return "model output"
-    for entry in keep_fp32 or ():
-        if isinstance(entry, type) and isinstance(layer, entry):
-            return f"keep_fp32 {entry.__name__}"
-        if isinstance(entry, str) and (
-            entry in names
-            or fnmatch.fnmatch(layer.name, entry)
-            or fnmatch.fnmatch(getattr(layer, "path", ""), entry)
-        ):
-            return f"keep_fp32 {entry!r}"
-    return None
-
-
-def _handles_own_precision(layer) -> bool:
-    """keras_mp layers, stock layers that upcast internally, and attention whose softmax
-    sublayer runs in float32 (pinned by `convert`, or made so by keras_hub) do their
-    sensitive math in FP32."""
-    if type(layer).__module__.startswith("keras_mp") or (
-        _class_names(layer) & set(_UPCASTS_INTERNALLY)
-    ):
-        return True
-    softmax = getattr(layer, "_softmax", None) or getattr(layer, "softmax", None)
-    return isinstance(softmax, keras.layers.Layer) and (
-        softmax.compute_dtype == "float32" or type(softmax).__module__.startswith("keras_mp")
-    )
-
-
-def _matmul_dims(layer) -> tuple:
-    names = _class_names(layer)
-    if names & {"MultiHeadAttention", "GroupedQueryAttention"}:
-        dims = [getattr(layer, "key_dim", None), getattr(layer, "value_dim", None)]
-        query = getattr(layer, "query_dense", None)
-        if query is not None and getattr(query, "kernel", None) is not None:
-            dims.insert(0, query.kernel.shape[0])
-        return tuple(int(d) for d in dims if d)
-    if not names & {"Dense", "EinsumDense", "BaseConv"}:
-        return ()
-    kernel = getattr(layer, "kernel", None)
-    if kernel is None:
-        return ()
-    shape = tuple(int(d) for d in kernel.shape)
-    if "BaseConv" in names:
-        return shape[-2:]  # input channels (per group) and filters
-    return shape
 
 
 def _loss_scale(model, loss_scale) -> tuple[float, str]:
@@ -143,14 +46,14 @@ def _loss_scale(model, loss_scale) -> tuple[float, str]:
         return float(to_numpy(opt.dynamic_scale.value)), "the compiled optimizer's"
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         return float(opt.initial_scale), "the compiled optimizer's initial"
-    from keras_mp.loss_scale import LossScaleConfig
+    from keras_mp.scaling.loss_scale import LossScaleConfig
 
     default = LossScaleConfig().initial_scale
     return default, f"default 2**{math.log2(default):.0f}; no LossScaleOptimizer compiled"
 
 
 def _stock_scaler_message(model) -> str | None:
-    from keras_mp.autoscale import stock_scaler_message
+    from keras_mp.scaling.autoscale import stock_scaler_message
 
     return stock_scaler_message(model)
 
@@ -275,8 +178,8 @@ def audit(
         samples = len(np.asarray(keras.tree.flatten(y)[0]))
         notes.append(f"gradients of {loss_desc} on {samples} samples")
 
-    from keras_mp.autoscale import wants_lean_optimizer
     from keras_mp.lean import LeanOptimizer
+    from keras_mp.scaling.autoscale import wants_lean_optimizer
 
     lean = isinstance(getattr(model, "optimizer", None), LeanOptimizer) or (
         wants_lean_optimizer(model)

@@ -17,7 +17,7 @@ import warnings
 import keras
 import numpy as np
 
-from keras_mp.loss_scale import LossScaleOptimizer
+from keras_mp.scaling.loss_scale import LossScaleOptimizer
 
 __all__ = [
     "ScalarWriter",
@@ -153,7 +153,7 @@ class Telemetry:
         # Stock Keras has no skip counter: skips are then derived from `iterations`.
         self.has_counter = self.lean or isinstance(opt, LossScaleOptimizer)
         if not self.has_counter:
-            from keras_mp.autoscale import stock_scaler_message
+            from keras_mp.scaling.autoscale import stock_scaler_message
 
             warnings.warn(f"{who}: {stock_scaler_message(model)}", UserWarning, stacklevel=3)
         keras_mp_scaler = isinstance(opt, LossScaleOptimizer)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 
-from keras_mp.gelu_math import gelu_float32, gelu_slope_float32
+from keras_mp.numerics.gelu_math import gelu_float32, gelu_slope_float32
 
 __all__ = ["MIN_ELEMENTS", "gelu_float32_math"]
 

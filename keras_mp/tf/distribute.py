@@ -258,7 +258,7 @@ def launch_local_workers(
     import tempfile
     import time
 
-    from keras_mp.extras import require
+    from keras_mp.keras_glue.extras import require
 
     require("tensorflow", "launch_local_workers (tf.distribute.MultiWorkerMirroredStrategy)")
     configs = local_tf_configs(num_workers)

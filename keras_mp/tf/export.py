@@ -19,8 +19,8 @@ from typing import Any
 import keras
 from keras import ops, tree
 
-from keras_mp.extras import require
-from keras_mp.quiet import ignoring
+from keras_mp.keras_glue.extras import require
+from keras_mp.keras_glue.quiet import ignoring
 
 __all__ = ["export_saved_model", "float32_clone"]
 
@@ -204,7 +204,7 @@ def export_saved_model(
         raise ValueError(
             f"export_saved_model: model {model.name!r} is not built; call it on data first."
         )
-    from keras_mp.keras_internals import get_input_signature, make_input_spec
+    from keras_mp.keras_glue.keras_internals import get_input_signature, make_input_spec
 
     if input_signature is None:
         input_signature = get_input_signature(model)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import ops
 
-from keras_mp.grad_finite import per_variable_finite
-from keras_mp.loss_scale_rule import update_loss_scale
+from keras_mp.scaling.grad_finite import per_variable_finite
+from keras_mp.scaling.loss_scale_rule import update_loss_scale
 from keras_mp.tf.distribute import check_jit_compile
 
 __all__ = ["apply_in_replica"]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-import keras_mp.sublayer_dtypes as sublayer_dtypes
+import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
 from keras_mp.conversion.runcheck import large_ids
 
 BACKEND = keras.backend.backend()

@@ -478,6 +478,28 @@ def _dinov2(image: int = 28, **overrides: Any) -> dict:
     return kwargs
 
 
+def _t5gemma_kwargs(**overrides: Any) -> dict:
+    """T5Gemma's and T5Gemma2's kwargs (T5Gemma2 adds its query/key norm)."""
+    side = dict(
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    kwargs = dict(
+        vocabulary_size=_VOCAB,
+        **{f"{part}_{k}": v for part in ("encoder", "decoder") for k, v in side.items()},
+        sliding_window=4,
+        cross_attention_hidden_size=16,
+        attn_logit_softcapping=50.0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
 def _depth_anything_kwargs() -> dict:
     encoder = _hub("DINOV2Backbone")(
         **_dinov2(
@@ -1019,26 +1041,7 @@ def _hub_families() -> list[_HubFamily]:
         _HubFamily(
             "t5gemma",
             "T5GemmaBackbone",
-            lambda: dict(
-                vocabulary_size=_VOCAB,
-                encoder_hidden_dim=16,
-                encoder_intermediate_dim=32,
-                encoder_num_layers=2,
-                encoder_num_attention_heads=2,
-                encoder_num_key_value_heads=1,
-                encoder_head_dim=8,
-                encoder_layer_types=["sliding_attention", "full_attention"],
-                decoder_hidden_dim=16,
-                decoder_intermediate_dim=32,
-                decoder_num_layers=2,
-                decoder_num_attention_heads=2,
-                decoder_num_key_value_heads=1,
-                decoder_head_dim=8,
-                decoder_layer_types=["sliding_attention", "full_attention"],
-                sliding_window=4,
-                cross_attention_hidden_size=16,
-                attn_logit_softcapping=50.0,
-            ),
+            _t5gemma_kwargs,
             seq2seq,
             ("seq2seq",),
             seq2seq="T5GemmaSeq2SeqLM",
@@ -1046,27 +1049,7 @@ def _hub_families() -> list[_HubFamily]:
         _HubFamily(
             "t5gemma2",
             "T5Gemma2Backbone",
-            lambda: dict(
-                vocabulary_size=_VOCAB,
-                encoder_hidden_dim=16,
-                encoder_intermediate_dim=32,
-                encoder_num_layers=2,
-                encoder_num_attention_heads=2,
-                encoder_num_key_value_heads=1,
-                encoder_head_dim=8,
-                encoder_layer_types=["sliding_attention", "full_attention"],
-                decoder_hidden_dim=16,
-                decoder_intermediate_dim=32,
-                decoder_num_layers=2,
-                decoder_num_attention_heads=2,
-                decoder_num_key_value_heads=1,
-                decoder_head_dim=8,
-                decoder_layer_types=["sliding_attention", "full_attention"],
-                sliding_window=4,
-                cross_attention_hidden_size=16,
-                attn_logit_softcapping=50.0,
-                use_query_key_norm=True,
-            ),
+            lambda: _t5gemma_kwargs(use_query_key_norm=True),
             seq2seq,
             ("seq2seq",),
             seq2seq="T5Gemma2Seq2SeqLM",

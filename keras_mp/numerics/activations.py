@@ -33,7 +33,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from keras_mp.gelu_math import gelu_float32, gelu_slope_float32
+from keras_mp.numerics.gelu_math import gelu_float32, gelu_slope_float32
 
 __all__ = ["gelu"]
 

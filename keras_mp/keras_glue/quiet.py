@@ -12,7 +12,7 @@ dropped (and not recorded as shown), the record of those shown before is kept.
 Example:
 
 ```python
-from keras_mp.quiet import ignoring
+from keras_mp.keras_glue.quiet import ignoring
 
 with ignoring(UserWarning):
     policy = Policy("float16")   # its "no master weights" warning was given already

@@ -1,4 +1,4 @@
-"""Deprecated aliases of `keras_mp.memory_estimate`, kept so that older code runs.
+"""Deprecated aliases of `keras_mp.memory.memory_estimate`, kept so that older code runs.
 
 `will_it_fit` read as if it were about `model.fit`; it estimates a train step's memory, and
 is now `kmp.estimate_memory` (its report `kmp.MemoryReport`, one `PolicyMemory` a row).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 
-from keras_mp.memory_estimate import (
+from keras_mp.memory.memory_estimate import (
     DEFAULT_POLICIES,
     POLICIES,
     MemoryReport,

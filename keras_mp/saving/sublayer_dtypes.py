@@ -11,7 +11,7 @@ with a `TypeError` that names neither keras_mp nor the dtypes' origin.
 to its own saved dtype and restored afterwards (Keras' global policy is per thread). A
 layer saved with a `DTypePolicyMap` (a keras_hub model) or a quantized policy, or with no
 dtype, is made as before; layers that pass their dtype on (Keras' own) are unaffected.
-`install()` (done by `import keras_mp`, `keras_mp/patches.py`) makes plain
+`install()` (done by `import keras_mp`, `keras_mp/keras_glue/patches.py`) makes plain
 `keras.saving.load_model` and `keras.models.clone_model` do it; `scope()` does it for one
 load (`kmp.saving.load_model` uses it, so it works with `KERAS_MP_NO_PATCH=1` too).
 """

@@ -137,7 +137,7 @@ class Float32(keras.layers.Wrapper):
         # Keras before 3.13 drops a tensor's mask when it casts the inputs to float32: the
         # mask is handed on explicitly, so the wrapped layer and the layers after it get it.
         if "mask" not in kwargs:
-            from keras_mp.keras_internals import get_keras_mask
+            from keras_mp.keras_glue.keras_internals import get_keras_mask
 
             mask = keras.tree.map_structure(get_keras_mask, inputs)
             if any(m is not None for m in keras.tree.flatten(mask)):

@@ -31,7 +31,7 @@ scaled (keras.io's distillation) instead of dividing its gradients by the scale.
 Keras model on Keras' `train_step` (which scales its loss) keeps Keras' own wrapping.
 A model with its own `train_step` compiled with no optimizer (a GAN's `super().compile()`,
 which keeps its optimizers as attributes) is left with Keras' default, unwrapped: those
-its `train_step` applies are checked by `keras_mp.optimizer_guard` instead.
+its `train_step` applies are checked by `keras_mp.scaling.optimizer_guard` instead.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import warnings
 
 import keras
 
-from keras_mp.keras_internals import DotNotTrackScope, Trainer
+from keras_mp.keras_glue.keras_internals import DotNotTrackScope, Trainer
 
 __all__ = [
     "install",
@@ -144,7 +144,7 @@ def wants_skip_only(model: keras.Model) -> bool:
 
 def stock_scaler_message(model: keras.Model) -> str | None:
     """A warning when `model` is compiled with Keras' own `LossScaleOptimizer`, else None."""
-    from keras_mp.loss_scale import LossScaleOptimizer
+    from keras_mp.scaling.loss_scale import LossScaleOptimizer
 
     opt = getattr(model, "optimizer", None)
     if not isinstance(opt, keras.optimizers.LossScaleOptimizer) or isinstance(
@@ -160,9 +160,9 @@ def stock_scaler_message(model: keras.Model) -> str | None:
 
 
 def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> None:
-    import keras_mp.optimizer_guard as optimizer_guard
+    import keras_mp.scaling.optimizer_guard as optimizer_guard
     from keras_mp.lean import LeanOptimizer
-    from keras_mp.loss_scale import LossScaleOptimizer
+    from keras_mp.scaling.loss_scale import LossScaleOptimizer
 
     opt = getattr(model, "optimizer", None)
     if opt is None or isinstance(opt, LeanOptimizer):
@@ -170,7 +170,7 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
     if not optimizer_passed and type(model).train_step is not keras.Model.train_step:
         # `super().compile()` in a GAN's own `compile`: Keras' default "rmsprop", which the
         # user never wrote and the model's own `train_step` need not use. The optimizers
-        # it applies are checked when they first do (`keras_mp.optimizer_guard`).
+        # it applies are checked when they first do (`keras_mp.scaling.optimizer_guard`).
         return
     if isinstance(opt, keras.optimizers.LossScaleOptimizer) and wants_lean_optimizer(model):
         raise ValueError(
@@ -184,7 +184,7 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
     if isinstance(opt, LossScaleOptimizer):
         return
     if wants_lean_optimizer(model):
-        from keras_mp.recast import float32_statistics
+        from keras_mp.numerics.recast import float32_statistics
 
         with DotNotTrackScope():
             model.optimizer = LeanOptimizer(opt)  # any plain Keras optimizer

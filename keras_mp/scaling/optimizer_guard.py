@@ -1,6 +1,6 @@
 """A plain optimizer updating a converted model's weights is told what it misses, once.
 
-`model.compile` gives a converted model keras_mp's optimizers (`keras_mp.autoscale`), but
+`model.compile` gives a converted model keras_mp's optimizers (`keras_mp.scaling.autoscale`), but
 users' own training code often brings its own: a GAN's `train_step` applies the two Adams
 it keeps as attributes, the JAX guide's loop calls `optimizer.stateless_apply` directly.
 Such an optimizer sees none of what the policy needs:
@@ -28,7 +28,7 @@ import warnings
 
 import keras
 
-from keras_mp.keras_internals import BaseOptimizer
+from keras_mp.keras_glue.keras_internals import BaseOptimizer
 
 __all__ = ["exempt", "install", "mark", "plain_optimizer_message"]
 

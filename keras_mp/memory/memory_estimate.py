@@ -14,7 +14,7 @@ JAX only computes it. On TensorFlow the model is saved to a temporary `.keras` f
 sized by `keras-mp memory` in a `KERAS_BACKEND=jax` subprocess: JAX must be installed
 (`pip install "keras_mp[jax]"`); without it the call raises an `ImportError` saying so.
 
-The names `will_it_fit`, `FitReport` and `PolicyFit` (`keras_mp.fit`) are aliases kept for
+The names `will_it_fit`, `FitReport` and `PolicyFit` (`keras_mp.memory.fit`) are aliases kept for
 code written before this module had its name.
 
 Example:
@@ -39,7 +39,7 @@ from typing import Any
 
 import keras
 
-from keras_mp.extras import require
+from keras_mp.keras_glue.extras import require
 
 __all__ = ["DEFAULT_POLICIES", "MemoryReport", "POLICIES", "PolicyMemory", "estimate_memory"]
 
@@ -156,7 +156,7 @@ def _check_policies(policies) -> tuple:
 def _optimizer(optimizer: Any, policy: str):
     """A fresh optimizer for `policy`: the given one's config, wrapped as a run wraps it."""
     from keras_mp.lean import LeanOptimizer
-    from keras_mp.loss_scale import LossScaleOptimizer
+    from keras_mp.scaling.loss_scale import LossScaleOptimizer
 
     if isinstance(optimizer, str):
         inner = keras.optimizers.get(optimizer)
@@ -179,7 +179,7 @@ def _loss(model, loss: Any):
     compiled = getattr(model, "loss", None)
     if compiled is not None:
         return compiled
-    import keras_mp.losses as losses
+    import keras_mp.numerics.losses as losses
 
     return losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -205,7 +205,7 @@ def _targets(model, x, loss):
 def _policy_model(model, policy: str, abstract: bool):
     from keras_mp.conversion import convert
     from keras_mp.jax.memory import unmaterialised
-    from keras_mp.quiet import ignoring
+    from keras_mp.keras_glue.quiet import ignoring
 
     with unmaterialised() if abstract else _nothing(), ignoring(UserWarning):
         return convert(model, policy, check=None)
@@ -271,7 +271,7 @@ def estimate_memory(
 
     Raises:
         ValueError: for a bad argument (named), or an unbuilt model.
-        keras_mp.extras.MissingExtraError: (an `ImportError`) on another backend without
+        keras_mp.keras_glue.extras.MissingExtraError: (an `ImportError`) on another backend without
             JAX installed, naming the command that installs it (`pip install "keras_mp[jax]"`).
         RuntimeError: when the JAX subprocess fails, with its last error line.
 

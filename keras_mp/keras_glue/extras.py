@@ -12,7 +12,7 @@ Nothing here imports a backend: whether a package is installed is asked without 
 Example:
 
 ```python
-from keras_mp.extras import require
+from keras_mp.keras_glue.extras import require
 
 require("jax", "kmp.estimate_memory")   # raises MissingExtraError when JAX is absent
 ```

@@ -1,6 +1,6 @@
 """Dynamic and static loss scaling: the optimizer that runs the pure rule.
 
-The rule (`update_loss_scale`, in `keras_mp.loss_scale_rule`, re-exported here) is a pure
+The rule (`update_loss_scale`, in `keras_mp.scaling.loss_scale_rule`, re-exported here) is a pure
 function of (state, grads-finite) written in `keras.ops`, so it runs inside the compiled
 train step on every backend with no host synchronisation. `LossScaleOptimizer` subclasses
 Keras' own, so `model.compile` and Keras' auto-wrapping under `mixed_float16` keep working,
@@ -17,13 +17,13 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_mp import keras_internals
-from keras_mp.grad_finite import is_sparse as _is_sparse
-from keras_mp.grad_finite import per_variable_finite as _per_variable_finite
-from keras_mp.grad_finite import sparse_values as _values
-from keras_mp.grad_finite import with_static_shape as _with_static_shape
-from keras_mp.loss_scale_marks import NOT_SCALED_MESSAGE, mark_scaled, take_scaled
-from keras_mp.loss_scale_rule import (
+from keras_mp.keras_glue import keras_internals
+from keras_mp.scaling.grad_finite import is_sparse as _is_sparse
+from keras_mp.scaling.grad_finite import per_variable_finite as _per_variable_finite
+from keras_mp.scaling.grad_finite import sparse_values as _values
+from keras_mp.scaling.grad_finite import with_static_shape as _with_static_shape
+from keras_mp.scaling.loss_scale_marks import NOT_SCALED_MESSAGE, mark_scaled, take_scaled
+from keras_mp.scaling.loss_scale_rule import (
     LossScaleConfig,
     LossScaleState,
     initial_loss_scale_state,
@@ -88,7 +88,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     With `initial_scale=1, dynamic=False` (`skip_only`) nothing is scaled: the optimizer
     only skips and counts non-finite steps. Compiling a model under a keras_mp
-    `"mixed_bfloat16"` or `"float32"` policy gives it that (`keras_mp.autoscale`), so one
+    `"mixed_bfloat16"` or `"float32"` policy gives it that (`keras_mp.scaling.autoscale`), so one
     NaN batch never reaches the weights under any policy.
 
     Example:
@@ -142,7 +142,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             **kwargs,
         )
         self.loss_scale_config = config
-        import keras_mp.optimizer_guard as optimizer_guard
+        import keras_mp.scaling.optimizer_guard as optimizer_guard
 
         optimizer_guard.exempt(inner_optimizer)  # it gets scaled gradients from here
 

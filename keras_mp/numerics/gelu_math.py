@@ -10,7 +10,7 @@ precision in the far tail where `1 - erf(x)` would round to 0.
 Example:
 
 ```python
-from keras_mp.gelu_math import gelu_float32
+from keras_mp.numerics.gelu_math import gelu_float32
 
 y = gelu_float32(keras.ops.convert_to_tensor([-1.0, 0.0, 2.0]), approximate=False)
 ```

@@ -6,7 +6,7 @@ TensorFlow reads `TF_CPP_MIN_LOG_LEVEL`, so the level alone cannot hide them:
 `captured_stderr` captures file descriptor 2 around the code that writes them and passes on
 every line that is not a log line below the level. Used by the `keras-mp` command
 (`keras_mp.cli.startup`) and by `import keras_mp` where it is what imports TensorFlow
-(`keras_mp.patches`).
+(`keras_mp.keras_glue.patches`).
 
 Nothing here imports Keras or a backend.
 """

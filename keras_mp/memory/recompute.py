@@ -21,7 +21,7 @@ import weakref
 import keras
 from keras import tree
 
-from keras_mp.keras_internals import (
+from keras_mp.keras_glue.keras_internals import (
     Functional,
     StatelessScope,
     get_keras_mask,

@@ -3,27 +3,27 @@
 `import keras_mp` calls `install()`, which changes Keras for every model in the process,
 converted or not:
 
-- `keras.Model.compile` is wrapped (`keras_mp.autoscale`): under a keras_mp policy (or a
+- `keras.Model.compile` is wrapped (`keras_mp.scaling.autoscale`): under a keras_mp policy (or a
   float16 model Keras leaves unscaled) the optimizer becomes `kmp.LossScaleOptimizer`,
   under `"lean_bfloat16"` `kmp.LeanOptimizer`; a float32 or bfloat16 model under a keras_mp
   policy gets a skip-only scaler. A model compiled under none of them is left as Keras
   made it; `compile(..., auto_scale_loss=False)` turns it off for one model.
 - every Keras optimizer's `apply` and `stateless_apply` check once, on first use, that
-  they do not update float16 or lean bfloat16 weights unwrapped (`keras_mp.optimizer_guard`:
+  they do not update float16 or lean bfloat16 weights unwrapped (`keras_mp.scaling.optimizer_guard`:
   one warning, nothing changed).
 - `keras.models.clone_model` warns once when the model it copies has bfloat16 weights: a
   moving average kept in the copy and updated with `assign` stalls in bfloat16
   (`keras_mp.lean.ema`; `kmp.lean.ema_update` is the fix). The copy is made as before.
 - `Layer.from_config` makes each layer with the global dtype policy set to its saved
   dtype, so the sublayers a custom layer makes in `__init__` load in its dtype, not in
-  float32 beside a float16 parent (`keras_mp.sublayer_dtypes`).
+  float32 beside a float16 parent (`keras_mp.saving.sublayer_dtypes`).
 - on TensorFlow, `tf.distribute`'s collective broadcasts send the bfloat16, int8 and uint8
   values TensorFlow refuses as float32/int32 (`keras_mp.tf.distribute`); others untouched.
 - where keras_mp is what imports TensorFlow and `TF_CPP_MIN_LOG_LEVEL` is unset, it is set
   to `"1"`: TensorFlow's C++ INFO lines (oneDNN, CUDA stubs, CPU features, XLA) are hidden,
   its warnings and errors kept (set the variable yourself to choose). The lines TensorFlow
   writes while it loads, before it reads the level, are filtered from stderr during that
-  import, as the `keras-mp` command does (`keras_mp.backend_logs`).
+  import, as the `keras-mp` command does (`keras_mp.keras_glue.backend_logs`).
 
 To opt out, set `KERAS_MP_NO_PATCH=1` before `import keras_mp` (none of it is done), or
 call `kmp.patches.uninstall()` (`compile` and the optimizers' `apply` are Keras' own again;
@@ -82,7 +82,7 @@ def start_quietly() -> None:
     C++ log lines below `TF_CPP_MIN_LOG_LEVEL` (some are written before TensorFlow reads
     the level); on TensorFlow also lists its devices, where it looks for CUDA and says there
     is none. What the `keras-mp` command does, at the level `quiet_tensorflow_info` set."""
-    from keras_mp.backend_logs import captured_stderr, log_level
+    from keras_mp.keras_glue.backend_logs import captured_stderr, log_level
 
     with captured_stderr(log_level()):
         import keras
@@ -104,10 +104,10 @@ def install() -> None:
     `KERAS_MP_NO_PATCH` is set."""
     import keras
 
-    import keras_mp.autoscale as autoscale
     import keras_mp.lean.ema as lean_ema
-    import keras_mp.optimizer_guard as optimizer_guard
-    import keras_mp.sublayer_dtypes as sublayer_dtypes
+    import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
+    import keras_mp.scaling.autoscale as autoscale
+    import keras_mp.scaling.optimizer_guard as optimizer_guard
 
     autoscale.install()
     optimizer_guard.install()
@@ -123,8 +123,8 @@ def uninstall() -> None:
     """Gives Keras back its own `Model.compile` and optimizers' `apply`/`stateless_apply`;
     idempotent. Models compiled before keep the optimizer they were given."""
     import keras_mp.lean.ema as lean_ema
-    import keras_mp.sublayer_dtypes as sublayer_dtypes
-    from keras_mp.keras_internals import BaseOptimizer, Trainer
+    import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
+    from keras_mp.keras_glue.keras_internals import BaseOptimizer, Trainer
 
     lean_ema.uninstall()
     sublayer_dtypes.uninstall()
@@ -142,8 +142,8 @@ def installed() -> dict:
     "collective_broadcasts": bool or None, "clone_model": bool, "sublayer_dtypes": bool}`
     (None: TensorFlow is not imported)."""
     import keras_mp.lean.ema as lean_ema
-    import keras_mp.sublayer_dtypes as sublayer_dtypes
-    from keras_mp.keras_internals import BaseOptimizer, Trainer
+    import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
+    from keras_mp.keras_glue.keras_internals import BaseOptimizer, Trainer
 
     out = {
         "compile": bool(getattr(Trainer.compile, "_keras_mp_autoscale", False)),

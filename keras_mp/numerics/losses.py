@@ -34,7 +34,11 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_mp.keras_internals import get_keras_mask, reduce_weighted_values, set_keras_mask
+from keras_mp.keras_glue.keras_internals import (
+    get_keras_mask,
+    reduce_weighted_values,
+    set_keras_mask,
+)
 
 __all__ = [
     "BinaryCrossentropy",

@@ -5,7 +5,7 @@
 synchronisation (the model: jmp's `adjust()`). Its invariants: the scale stays finite and
 within [min_scale, max_scale]; the state says whether the step's update may be applied (a
 non-finite step changes no weight and no optimizer slot). `kmp.LossScaleOptimizer`
-(keras_mp/loss_scale.py) keeps the state as optimizer variables and runs this rule.
+(keras_mp/scaling/loss_scale.py) keeps the state as optimizer variables and runs this rule.
 """
 
 from __future__ import annotations

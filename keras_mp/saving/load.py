@@ -7,7 +7,7 @@ variables one object at a time: a file that fails part-way (a corrupt HDF5 group
 whose optimizer does not match (Keras only warns) leaves the model restored and the
 optimizer not, or half of the model restored. These two functions check first, name
 the problem, and undo a failed load. `save_model` and `save_weights` (from
-`keras_mp/atomic.py`) write through a temporary file and `os.replace`: a process killed
+`keras_mp/saving/atomic.py`) write through a temporary file and `os.replace`: a process killed
 mid-save leaves the previous file whole.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 import keras
 from keras import ops
 
-import keras_mp.sublayer_dtypes as sublayer_dtypes
-from keras_mp.atomic import save_model, save_weights
+import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
+from keras_mp.saving.atomic import save_model, save_weights
 
 __all__ = ["load_model", "load_weights", "reapply_plan", "save_model", "save_weights"]
 
@@ -159,7 +159,7 @@ def load_model(
     and every registered object it names (e.g. `keras_mp>Float32`) is known. Each
     failure raises a `ValueError` (`FileNotFoundError` for a missing file) that names
     the file and the problem. A successful check then defers to Keras, each layer made
-    with the global dtype policy set to its saved dtype (`keras_mp.sublayer_dtypes`:
+    with the global dtype policy set to its saved dtype (`keras_mp.saving.sublayer_dtypes`:
     sublayers a custom layer makes in `__init__` take the global policy, not their
     parent's; float32 beside a float16 parent failed); nested
     Sequential and functional models then get back the dtype policy their config saved

@@ -1,0 +1,17 @@
+"""The float32 islands: what runs in float32 whatever the compute dtype.
+
+- `layers`: `Float32(layer)`, `Softmax`, `MultiHeadAttention` (softmax in float32),
+  `LayerNormalization` (`kmp.layers`).
+- `activations`: `gelu` with its math in float32 (`kmp.activations`); `gelu_math`: that math,
+  shared with `keras_mp.tf.activations`.
+- `losses`: the cross-entropies, float32 math always (`kmp.losses`).
+- `recast`: variables re-created in another dtype, float32 statistics.
+
+`kmp.layers`, `kmp.activations` and `kmp.losses` are these modules; `keras_mp.layers`,
+`keras_mp.activations` and `keras_mp.losses` (the paths before the regroup, issue 53) name them.
+
+Nothing is imported here: the backend parts these modules call (`keras_mp.tf.activations`,
+`keras_mp.tf.normalization`) import `gelu_math` back, and importing one island needs no other.
+"""
+
+__all__ = ["activations", "gelu_math", "layers", "losses", "recast"]
