@@ -16,6 +16,7 @@ with one clear line.
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 from typing import Any
 
@@ -33,18 +34,23 @@ __all__ = [
     "StatelessScope",
     "Trainer",
     "check_version",
+    "fit_epoch_iterator",
+    "fit_input",
     "get_input_signature",
     "get_keras_mask",
     "global_state",
     "in_stateless_scope",
+    "initial_epoch",
     "jax_nn",
     "keras_version",
     "make_input_spec",
     "map_graph",
     "no_automatic_dependency_tracking",
     "reduce_weighted_values",
+    "set_initial_epoch",
     "set_keras_mask",
     "stored_value",
+    "symbolic_build",
     "track_optimizer_variables",
     "untracked_optimizer_variables",
 ]
@@ -213,3 +219,55 @@ def stored_value(variable):
     scope = global_state.get_global_attribute("stateless_scope")
     value = scope.get_current_value(variable) if scope is not None else None
     return variable._value if value is None else value
+
+
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes the `fit` that is calling `on_train_begin` start at `epoch` (None: its own
+    `initial_epoch`). Keras' `fit` reads `model._initial_epoch` right after
+    `on_train_begin`, as Keras' own `BackupAndRestore` uses it."""
+    model._initial_epoch = epoch
+
+
+def initial_epoch(model) -> int | None:
+    """What `set_initial_epoch` set (None where nothing did)."""
+    return getattr(model, "_initial_epoch", None)
+
+
+def fit_epoch_iterator(model) -> Any:
+    """The epoch iterator of the `model.fit` call now running (a callback's caller), or
+    None where none is found: `fit` keeps it in a local, `epoch_iterator`, whose
+    `data_adapter` says what the input is (arrays, a `tf.data.Dataset`, a `PyDataset`,
+    a generator) and how it is shuffled."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            return frame.f_locals.get("epoch_iterator")
+        frame = frame.f_back
+    return None
+
+
+def fit_input(model) -> dict | None:
+    """What the `model.fit` call now running trains on, or None where it is not found.
+
+    Returns:
+        `{"kind": the data adapter's class name ("ArrayDataAdapter", "TFDatasetAdapter",
+        "PyDatasetAdapter", "GeneratorDataAdapter", ...), "shuffle": fit's `shuffle` for
+        arrays (None for other inputs), "steps_per_epoch": fit's argument, "num_batches":
+        the input's batches an epoch (None if unknown)}`.
+    """
+    iterator = fit_epoch_iterator(model)
+    adapter = getattr(iterator, "data_adapter", None)
+    if adapter is None:
+        return None
+    return {
+        "kind": type(adapter).__name__,
+        "shuffle": getattr(adapter, "_shuffle", None),
+        "steps_per_epoch": getattr(iterator, "steps_per_epoch", None),
+        "num_batches": getattr(adapter, "num_batches", None),
+    }
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Builds what `model`'s first training step would (its compiled metrics, loss) from
+    the shapes of `data_batch`, without running it (Keras' `_symbolic_build`)."""
+    model._symbolic_build(data_batch=data_batch)

@@ -24,6 +24,7 @@ from collections import deque
 
 import keras
 
+from keras_mp.observe.backup import BackupAndRestore  # `kmp.callbacks.BackupAndRestore`
 from keras_mp.observe.checkpoint import ModelCheckpoint  # `kmp.callbacks.ModelCheckpoint`
 from keras_mp.observe.nonfinite_guard import NonFiniteGuard, recalibration_hint
 from keras_mp.observe.telemetry import (
@@ -37,6 +38,7 @@ from keras_mp.observe.telemetry import (
 )
 
 __all__ = [
+    "BackupAndRestore",
     "CollapseGuard",
     "LossScaleCollapseError",
     "LossScaleMonitor",
