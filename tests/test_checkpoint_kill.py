@@ -8,18 +8,13 @@ The children come from `tests/_checkpoint_kill_worker.py`: one process imports T
 once and forks a training child per kill.
 """
 
-import json
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import zipfile
 
 import keras
 import numpy as np
 import pytest
+from _worker_client import Worker
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "fork"), reason="the worker forks its training children (POSIX only)"
@@ -31,54 +26,6 @@ slow_on_jax = pytest.mark.slow if keras.backend.backend() == "jax" else (lambda 
 WORKER = os.path.join(os.path.dirname(__file__), "_checkpoint_kill_worker.py")
 
 
-class Worker:
-    """The worker process: send it commands, read its JSON answers (with a timeout)."""
-
-    def __init__(self, directory, width):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1", PYTHONPATH=path)
-        self.stderr = open(os.path.join(directory, "..", "worker.err"), "w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, WORKER, str(directory), str(width)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-            text=True, env=env,
-        )  # fmt: skip
-        self.lines = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(json.loads(line))
-        self.lines.put(None)
-
-    def send(self, command):
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self, timeout=120):
-        try:
-            got = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            got = None
-        if got is None or "error" in got:
-            self.stderr.seek(0)
-            pytest.fail(f"worker answered {got}; its stderr ends:\n{self.stderr.read()[-3000:]}")
-        return got
-
-    def kill_child_after(self, pid, seconds):
-        threading.Event().wait(seconds)
-        os.kill(pid, signal.SIGKILL)
-        self.send("wait")
-        status = self.answer()["exit"]
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self.stderr.close()
-
-
 @pytest.fixture
 def worker(tmp_path):
     run = tmp_path / "run"
@@ -86,7 +33,7 @@ def worker(tmp_path):
     made = []
 
     def start(width=512):
-        made.append(Worker(run, width))
+        made.append(Worker(WORKER, run, width))
         return run, made[-1]
 
     yield start
