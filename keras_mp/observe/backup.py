@@ -39,6 +39,13 @@ logger = logging.getLogger("keras_mp")
 
 _LATEST, _PREVIOUS = "latest.weights.h5", "previous.weights.h5"
 _KERAS_METADATA = "training_metadata.json"  # what Keras' own callback writes beside
+_INPUTS = {  # Keras' data adapters, as a user names their input
+    "TFDatasetAdapter": "a tf.data.Dataset",
+    "PyDatasetAdapter": "a keras.utils.PyDataset",
+    "GeneratorDataAdapter": "a Python generator",
+    "TorchDataLoaderAdapter": "a torch DataLoader",
+    "GrainDatasetAdapter": "a Grain dataset",
+}
 
 
 def _save_freq(value: Any) -> str | int:
@@ -275,7 +282,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         found = keras_internals.fit_input(self._model)
         where = f"epoch {self._epoch}, batch {step}"
         if found is None or found["kind"] != "ArrayDataAdapter":
-            kind = "an input Keras does not say" if found is None else found["kind"]
+            kind = "an input of unknown kind" if found is None else found["kind"]
+            kind = _INPUTS.get(kind, kind)
             warnings.warn(
                 f"BackupAndRestore: resuming inside an epoch ({where}) on {kind}: the first "
                 f"{step} batches the input yields are skipped and the rest trained. This is "
