@@ -121,8 +121,8 @@ def test_resuming_inside_an_epoch_of_a_dataset_warns_that_order_is_the_inputs(tm
     path = tmp_path / "backup"
     model = _model()
     try:
-        model.fit(Batches(), epochs=2, verbose=0,
-                  callbacks=[kmp.callbacks.BackupAndRestore(path, save_freq=4), StopAt(9)])  # fmt: skip
+        backup = kmp.callbacks.BackupAndRestore(path, save_freq=4)
+        model.fit(Batches(), epochs=2, verbose=0, callbacks=[backup, StopAt(9)])
     except Interrupt:
         pass
     backup = kmp.callbacks.BackupAndRestore(path, save_freq=4)
