@@ -432,6 +432,9 @@ def test_non_finite_gradients_change_nothing_and_calibration_and_guard_work():
 
     unchanged_but_the_counters(before, after)
     assert int(np_(opt.skipped_steps.value)) == 1
+    # A skipped step is no update: `iterations` stays (as kmp.LossScaleOptimizer's does),
+    # so the learning-rate schedule and Adam's bias correction see the updates applied.
+    assert int(np_(opt.iterations.value)) == int(before[opt.iterations.path]) == 1
     # The same without ReLU in the way: one NaN in the first kernel's gradient alone.
     grads = [np.full(v.shape, 1e-3, "float32") for v in model.trainable_variables]
     grads[0][0, 0] = np.nan

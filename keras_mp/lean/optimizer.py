@@ -105,7 +105,8 @@ class LeanOptimizer(LeanState, LeanStep, keras.optimizers.Optimizer):
     - a float32 weight (a layer the keep-list pins) is updated exactly.
     - a step with an inf or NaN in any gradient leaves every weight and moment as they
       were, and is counted in the `skipped_steps` variable (`kmp.callbacks.LossScaleMonitor`
-      logs it, as it logs float16's skipped steps).
+      logs it, as it logs float16's skipped steps), not in `iterations`, which counts the
+      updates applied (as `kmp.LossScaleOptimizer`'s does).
     - the moments are stored as `moments="int4_factored"` (the default: the first moment
       as `"int4"`, the second of large matrices as float32 row and column averages),
       `"int4"` (block-wise 4-bit codes, two a byte, with a float32 scale per `block_size`

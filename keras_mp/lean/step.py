@@ -41,8 +41,13 @@ class LeanStep:
         finite = ops.all(per_variable_finite(grads))
         grads = [None if g is None else _poisoned(g, finite) for g in grads]
         result = super().apply(grads, trainable_variables)
-        # counted as float16's skipped steps are (`LossScaleMonitor`, `Telemetry`)
-        self.skipped_steps.assign_add(ops.cast(ops.logical_not(finite), "int32"))
+        # counted as float16's skipped steps are (`LossScaleMonitor`, `Telemetry`); and, as
+        # under kmp.LossScaleOptimizer, a skipped step is no update: `iterations` (the
+        # learning-rate schedule's step, Adam's bias correction) counts applied updates.
+        skipped = ops.cast(ops.logical_not(finite), "int32")
+        self.skipped_steps.assign_add(skipped)
+        if not self.gradient_accumulation_steps:  # there Keras counts micro-steps
+            self._iterations.assign_sub(ops.cast(skipped, self._iterations.dtype))
         return result
 
     def _apply_weight_decay(self, variables):
