@@ -2,7 +2,8 @@
 
 The face of the subpackage: the audit (`auditor.py`, its per-layer checks in
 `layer_checks.py`, its report in `audit_report.py`), the training callbacks (`callbacks.py`:
-`kmp.callbacks`) and the loss-scale telemetry they share (`telemetry.py`).
+`kmp.callbacks`; the checkpoint ones in `checkpoint.py` and `backup.py`, whose backups'
+extra state is `backup_state.py`) and the loss-scale telemetry they share (`telemetry.py`).
 """
 
 from keras_mp.observe import callbacks, telemetry

@@ -27,7 +27,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     one with `os.replace`, so a process killed at any moment (`kill -9`, pre-emption)
     leaves the last complete checkpoint; leftovers of a killed save are removed by the
     next one. A `.keras` checkpoint holds the optimizer's state (loss scale, counters,
-    lean moments): `kmp.saving.load_model` and `fit(..., initial_epoch=...)` resume.
+    lean moments), not the position in the data: to resume a killed run at the batch
+    where it stopped, use `kmp.callbacks.BackupAndRestore`.
 
     Args:
         filepath: As for `keras.callbacks.ModelCheckpoint`: a `.keras` file, or a
