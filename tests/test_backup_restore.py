@@ -183,3 +183,25 @@ def test_resuming_a_shuffled_epoch_on_tensorflow_without_a_seed_warns(tmp_path):
             _fit(model, kmp.callbacks.BackupAndRestore(path, save_freq=4))
     finally:
         keras.utils.set_random_seed(0)
+
+
+def test_a_backup_failing_half_way_keeps_the_previous_one(tmp_path, monkeypatch):
+    from keras_mp.observe import backup_state
+
+    path = tmp_path / "backup"
+    real, calls = backup_state.write_state, []
+
+    def disk_full_at_the_second(tmp, state, model):
+        calls.append(state["step"])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(tmp, state, model)
+
+    monkeypatch.setattr(backup_state, "write_state", disk_full_at_the_second)
+    with pytest.raises(OSError, match="No space left"):
+        _fit(_model(), kmp.callbacks.BackupAndRestore(path, save_freq=4))
+    assert sorted(os.listdir(path)) == ["latest.weights.h5"]  # no temporary file left
+    monkeypatch.setattr(backup_state, "write_state", real)
+    backup = kmp.callbacks.BackupAndRestore(path, save_freq=4)
+    _fit(_model(), backup)
+    assert backup.resumed_at == (0, 4)  # the first backup, whole
