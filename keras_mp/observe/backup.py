@@ -244,16 +244,17 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         return None
 
     def _keras_state(self, path: str) -> dict:
-        """The position in a backup made by `keras.callbacks.BackupAndRestore`: its epoch
-        (its batch is not one to resume at: its weights are the epoch's start's)."""
+        """The position in a backup made by `keras.callbacks.BackupAndRestore`: the start
+        of its epoch (Keras' callback resumes there, whatever batch its weights are of)."""
         metadata = os.path.join(self.backup_dir, _KERAS_METADATA)
         epoch = 0
         if os.path.exists(metadata):
             with open(metadata) as f:
                 epoch = int(json.load(f).get("epoch", 0))
         warnings.warn(
-            f"BackupAndRestore: {path!r} was written by keras.callbacks.BackupAndRestore; "
-            f"resuming at the start of epoch {epoch} (it keeps no batch position, metrics "
+            f"BackupAndRestore: {path!r} was written by keras.callbacks.BackupAndRestore, "
+            f"which keeps no exact position: resuming at the start of epoch {epoch}, as it "
+            "would (the batches of that epoch it had trained are trained again; no metrics "
             "or random state). The next backups are keras_mp's.",
             stacklevel=3,
         )
