@@ -2,8 +2,9 @@
 
 The face of the subpackage: the audit (`auditor.py`, its per-layer checks in
 `layer_checks.py`, its report in `audit_report.py`), the training callbacks (`callbacks.py`:
-`kmp.callbacks`; the checkpoint ones in `checkpoint.py` and `backup.py`, whose backups'
-extra state is `backup_state.py`) and the loss-scale telemetry they share (`telemetry.py`).
+`kmp.callbacks`; the checkpoint ones in `checkpoint.py` and `backup.py`, with a backup's
+extra state in `backup_state.py` and the resume's input checks in `resume_input.py`) and
+the loss-scale telemetry they share (`telemetry.py`).
 """
 
 from keras_mp.observe import callbacks, telemetry

@@ -4,7 +4,7 @@ Keras' `keras.callbacks.BackupAndRestore` restores the epoch only (the batch it 
 unused, so an interrupted epoch trains its first batches again) and writes its two files
 in place (a kill mid-write loses the backup). This subclass takes the same arguments and:
 
-* writes one file, atomically (`keras_mp.atomic`): the model's and optimizer's variables
+* writes one file, atomically (`keras_mp.saving.atomic`): the model's and optimizer's variables
   and, in the same file, the position and the rest of the training state
   (`keras_mp.observe.backup_state`); a kill at any instant leaves the previous backup;
 * counts the batches itself (the epoch, the batches of it done, the batches trained in
@@ -28,10 +28,10 @@ from typing import Any
 import keras
 from keras import ops
 
-from keras_mp import keras_internals
-from keras_mp.atomic import atomic_path, remove_stale
-from keras_mp.observe import backup_state
-from keras_mp.saving import load_weights
+from keras_mp.keras_glue import keras_internals
+from keras_mp.observe import backup_state, resume_input
+from keras_mp.saving.atomic import atomic_path, remove_stale
+from keras_mp.saving.load import load_weights
 
 __all__ = ["BackupAndRestore"]
 
@@ -39,13 +39,6 @@ logger = logging.getLogger("keras_mp")
 
 _LATEST, _PREVIOUS = "latest.weights.h5", "previous.weights.h5"
 _KERAS_METADATA = "training_metadata.json"  # what Keras' own callback writes beside
-_INPUTS = {  # Keras' data adapters, as a user names their input
-    "TFDatasetAdapter": "a tf.data.Dataset",
-    "PyDatasetAdapter": "a keras.utils.PyDataset",
-    "GeneratorDataAdapter": "a Python generator",
-    "TorchDataLoaderAdapter": "a torch DataLoader",
-    "GrainDatasetAdapter": "a Grain dataset",
-}
 
 
 def _save_freq(value: Any) -> str | int:
@@ -57,18 +50,6 @@ def _save_freq(value: Any) -> str | int:
             "positive integer (a backup every that many batches)."
         )
     return value
-
-
-def _tf_seeded() -> bool | None:
-    """Whether TensorFlow's global seed is set (None: cannot tell)."""
-    try:
-        from tensorflow.python.eager import context
-    except ImportError:
-        return None
-    try:
-        return context.global_seed() is not None
-    except Exception:  # noqa: BLE001  (another TensorFlow: do not guess)
-        return None
 
 
 class _SkipBatches:
@@ -280,40 +261,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _check_input(self, step: int) -> None:
         """Warns where the resumed epoch's batches may not be the interrupted one's."""
-        found = keras_internals.fit_input(self._model)
-        where = f"epoch {self._epoch}, batch {step}"
-        if found is None or found["kind"] != "ArrayDataAdapter":
-            kind = "an input of unknown kind" if found is None else found["kind"]
-            kind = _INPUTS.get(kind, kind)
-            warnings.warn(
-                f"BackupAndRestore: resuming inside an epoch ({where}) on {kind}: the first "
-                f"{step} batches the input yields are skipped and the rest trained. This is "
-                "the interrupted run's order only if the input yields the same batches in a "
-                "new process (a fixed order, or a shuffle seeded so that it does not depend "
-                "on the epochs this process has read). Give `fit` arrays for an exact "
-                "resume, or back up at epoch ends (save_freq='epoch').",
-                stacklevel=3,
-            )
-            return
-        spe, batches = found["steps_per_epoch"], found["num_batches"]
-        if spe and batches and spe != batches:
-            warnings.warn(
-                f"BackupAndRestore: resuming inside an epoch ({where}) with "
-                f"steps_per_epoch={spe} on arrays of {batches} batches: Keras carries its "
-                "place in the data over from epoch to epoch, which a new process does not "
-                "know, so the batches are not the interrupted run's. Drop `steps_per_epoch` "
-                "for an exact resume.",
-                stacklevel=3,
-            )
-        elif found["shuffle"] and keras.backend.backend() == "tensorflow" and not _tf_seeded():
-            warnings.warn(
-                f"BackupAndRestore: resuming inside a shuffled epoch ({where}) on "
-                "TensorFlow without a seed: the shuffle is drawn by a TensorFlow op, so the "
-                "batches skipped are not the ones the interrupted run trained. Call "
-                "`keras.utils.set_random_seed(...)` at the start of the program for an "
-                "exact resume.",
-                stacklevel=3,
-            )
+        message = resume_input.order_warning(self._model, self._epoch, step)
+        if message is not None:
+            warnings.warn(f"BackupAndRestore: {message}", stacklevel=3)
 
     # -- count and back up ----------------------------------------------------------------
 
