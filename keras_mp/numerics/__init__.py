@@ -4,7 +4,8 @@
   `LayerNormalization` (`kmp.layers`).
 - `activations`: `gelu` with its math in float32 (`kmp.activations`); `gelu_math`: that math,
   shared with `keras_mp.tf.activations`.
-- `losses`: the cross-entropies, float32 math always (`kmp.losses`).
+- `losses`: the cross-entropies, float32 math always (`kmp.losses`); `label_range`: their
+  check of class labels against the predictions' range.
 - `recast`: variables re-created in another dtype, float32 statistics.
 
 `kmp.layers`, `kmp.activations` and `kmp.losses` are these modules; `keras_mp.layers`,
@@ -14,4 +15,4 @@ Nothing is imported here: the backend parts these modules call (`keras_mp.tf.act
 `keras_mp.tf.normalization`) import `gelu_math` back, and importing one island needs no other.
 """
 
-__all__ = ["activations", "gelu_math", "layers", "losses", "recast"]
+__all__ = ["activations", "gelu_math", "label_range", "layers", "losses", "recast"]

@@ -39,6 +39,7 @@ from keras_mp.keras_glue.keras_internals import (
     reduce_weighted_values,
     set_keras_mask,
 )
+from keras_mp.numerics.label_range import check_labels, poison
 
 __all__ = [
     "BinaryCrossentropy",
@@ -82,6 +83,12 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
         float32 per-position losses of shape `logits.shape[:-1]`; with `ignore_class`, the
         result carries a Keras mask of the valid positions.
 
+    Raises:
+        ValueError: a label outside `[0, classes)` (other than `ignore_class`) where the
+            labels are known (eager); in a TensorFlow graph the step fails with the same
+            message, and under XLA (and JAX's `jit`) the position's loss and gradient are
+            NaN instead (`keras_mp.label_range`).
+
     Example:
 
     ```python
@@ -89,15 +96,20 @@ def sparse_categorical_crossentropy_from_logits(labels, logits, ignore_class: in
     ```
     """
     labels = ops.cast(labels, "int32")
+    bad = None
+    if logits.shape[-1] is not None:
+        labels, bad = check_labels(
+            labels, logits.shape[-1], "SparseCategoricalCrossentropy", ignore_class
+        )
     valid = None
     if ignore_class is not None:
         valid = ops.not_equal(labels, ignore_class)
         labels = ops.where(valid, labels, 0)
     tf_losses = _tf_losses()
-    if tf_losses is not None and not tf_losses.compiling_with_xla():
+    if bad is None and tf_losses is not None and not tf_losses.compiling_with_xla():
         losses = tf_losses.sparse_xent_from_logits(labels, logits, valid)
     else:
-        losses = _fused_xla(labels, logits, valid)
+        losses = _fused_xla(labels, logits, valid, bad)
     if valid is not None:
         set_keras_mask(losses, mask=valid)
     return losses
@@ -112,8 +124,9 @@ def _tf_losses():
     return tf_losses
 
 
-def _fused_xla(labels, logits, valid):
-    """The fused loss in `keras.ops` (compiled whole by XLA on JAX; also the reference)."""
+def _fused_xla(labels, logits, valid, bad=None):
+    """The fused loss in `keras.ops` (compiled whole by XLA on JAX; also the reference).
+    Positions where `bad` (labels out of range) is True get a NaN loss and NaN gradient."""
     classes = logits.shape[-1]
     target = ops.expand_dims(labels, -1)
 
@@ -128,12 +141,16 @@ def _fused_xla(labels, logits, valid):
         losses = ops.squeeze(lse - picked, -1)
         if valid is not None:
             losses = ops.where(valid, losses, 0.0)
+        if bad is not None:  # XLA clamps the gather: made loud here
+            losses = ops.where(bad, float("nan"), losses)
 
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
             if valid is not None:
                 upstream = ops.where(valid, upstream, 0.0)
+            if bad is not None:
+                upstream = ops.where(bad, float("nan"), upstream)
             probs = ops.exp(ops.cast(z, _FLOAT32) - lse)
             hot = ops.equal(ops.arange(classes, dtype="int32"), target)
             diff = probs - ops.cast(hot, _FLOAT32)
@@ -177,6 +194,18 @@ def _check_sparse_shapes(target_shape, output_shape) -> None:
             )
 
 
+def _unmasked_labels(y_true, mask, rank: int):
+    """`y_true` as a tensor without a trailing axis of 1, with label 0 at the positions the
+    predictions' Keras `mask` leaves out (their loss is masked away: a padding label there
+    is no error)."""
+    y_true = ops.convert_to_tensor(y_true)
+    if len(y_true.shape) == rank and y_true.shape[-1] == 1:
+        y_true = ops.squeeze(y_true, -1)
+    if mask is not None and len(mask.shape) == len(y_true.shape):
+        y_true = ops.where(mask, y_true, ops.zeros_like(y_true))
+    return y_true
+
+
 @keras.saving.register_keras_serializable(package="keras_mp")
 class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
     """`keras.losses.SparseCategoricalCrossentropy` computed in float32.
@@ -198,7 +227,14 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
         dtype: Only `None` or `"float32"` (the loss always computes in float32).
 
     Labels of the predictions' shape (one-hot) raise a `ValueError` naming
-    `kmp.losses.CategoricalCrossentropy`, as Keras' own loss refuses them.
+    `kmp.losses.CategoricalCrossentropy`, as Keras' own loss refuses them. A label outside
+    `[0, classes)` (other than `ignore_class`, or at a position the predictions' mask leaves
+    out) raises a `ValueError` naming the values and `ignore_class` where it can (eager
+    calls; in a TensorFlow graph without XLA the step fails with the same message), and
+    makes that position's loss and gradient NaN under XLA and on JAX, where nothing can be
+    raised from the compiled step: the step is skipped and counted by keras_mp's scalers,
+    and `kmp.callbacks.NonFiniteGuard` stops the run naming the labels. (Keras' own loss
+    gives a finite, wrong loss on JAX there.)
 
     Returns:
         Calling the loss returns a float32 scalar (or per-sample float32 values with
@@ -262,18 +298,17 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
                 if len(target) == rank and target[-1] == 1:
                     target = target[:-1]
                 _check_sparse_shapes(target, tuple(y_pred.shape))
+        in_mask = get_keras_mask(y_pred)
         if not fused:
+            y_true = _unmasked_labels(y_true, in_mask, rank)
             return super().__call__(y_true, y_pred, sample_weight=sample_weight)
         # Keras' Loss.__call__ without its float32 copy of y_pred (the fused loss up-casts
         # inside, and keeps the logits in their own dtype for the backward pass).
-        in_mask = get_keras_mask(y_pred)
         with keras.name_scope(self.name):
             y_pred = ops.convert_to_tensor(y_pred)
             if not keras.backend.is_float_dtype(y_pred.dtype):
                 y_pred = ops.cast(y_pred, _FLOAT32)
-            y_true = ops.convert_to_tensor(y_true)
-            if len(y_true.shape) == rank and y_true.shape[-1] == 1:
-                y_true = ops.squeeze(y_true, -1)
+            y_true = _unmasked_labels(y_true, in_mask, rank)
             losses = sparse_categorical_crossentropy_from_logits(
                 y_true, y_pred, ignore_class=self.ignore_class
             )
@@ -289,6 +324,26 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
                 reduction=self.reduction,
                 dtype=self.dtype,
             )
+
+    def call(self, y_true, y_pred):
+        """Keras' per-position loss (the unfused path), with the label range checked."""
+        rank = len(y_pred.shape)
+        axis = self.axis % rank if rank else self.axis
+        classes = y_pred.shape[axis] if rank else None
+        bad = None
+        if classes is not None and len(y_true.shape) in (rank - 1, rank):
+            labels = ops.cast(y_true, "int32")
+            if len(labels.shape) == rank:
+                labels = ops.squeeze(labels, axis)
+            labels, bad = check_labels(
+                labels, classes, "SparseCategoricalCrossentropy", self.ignore_class
+            )
+            if bad is None:
+                y_true = labels  # carries the TensorFlow assertion
+        losses = super().call(y_true, y_pred)
+        if bad is not None:  # XLA clamps the gather, JAX reads a fill value: made loud
+            losses = poison(losses, ops.reshape(bad, ops.shape(losses)), ops.sum(y_pred, axis))
+        return losses
 
     def get_config(self) -> dict:
         config = super().get_config()

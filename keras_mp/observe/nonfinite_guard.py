@@ -13,7 +13,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_mp.conversion.probe import first_nonfinite_layer
+from keras_mp.conversion.probe import first_nonfinite_layer, to_numpy, unpack
+from keras_mp.numerics.label_range import bad_label_message
 from keras_mp.observe.telemetry import (
     Telemetry,
     choice,
@@ -66,13 +67,50 @@ def _addresses(model) -> dict:
     return {where[id(x)]: x for x in layers}
 
 
+def _labels_problem(model, data) -> str:
+    """Names out-of-range class labels in `data` (`(x, y)`) for `model`'s sparse loss.
+
+    For a `NonFiniteGuard` diagnosis: under XLA an out-of-range label shows up only as a NaN
+    loss. Reads `model.loss` (a sparse cross-entropy object or its string name) and the
+    class count off the model's output.
+
+    Returns:
+        The `bad_label_message` sentence, or "" when nothing is wrong or nothing can be told.
+    """
+    loss = getattr(model, "loss", None)
+    name = loss if isinstance(loss, str) else type(loss).__name__
+    if name not in ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy"):
+        return ""
+    try:
+        x, y, _ = unpack(data)
+        if y is None:
+            return ""
+        outputs = getattr(model, "outputs", None)
+        classes = outputs[0].shape[-1] if outputs and len(outputs) == 1 else None
+        if classes is None:
+            classes = to_numpy(model(x)).shape[-1]
+        labels = np.asarray(to_numpy(y)).astype("int64")
+    except Exception:  # noqa: BLE001 - a diagnosis must not fail the run
+        return ""
+    ignore = getattr(loss, "ignore_class", None)
+    bad = (labels < 0) | (labels >= classes)
+    if ignore is not None:
+        bad &= labels != ignore
+    if not bad.any():
+        return ""
+    return (
+        f"diagnose_data holds {int(bad.sum())} label(s) outside the class range, the likely "
+        f"cause (under XLA they make the loss NaN): "
+        + bad_label_message("SparseCategoricalCrossentropy", classes, labels[bad], ignore)
+    )
+
+
 _FIX_HINT = (
     "Loss scaling cannot fix non-finite values produced in the forward pass or by the loss: "
     "run `kmp.audit(model, (x, y))` to find activations above the float16 maximum, pin those "
     "layers to float32 (`kmp.layers.Float32`, or `keep_fp32` in `kmp.Policy`), or train "
     "with 'mixed_bfloat16', which has the range of float32."
 )
-
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -213,8 +251,16 @@ class NonFiniteGuard(keras.callbacks.Callback):
             )
         else:
             self.culprit, where = first_nonfinite_layer(model, self.diagnose_data)
+            labels = _labels_problem(model, self.diagnose_data)
+            if labels and self.culprit is None:  # the labels, not the range: say only that
+                self.diagnosis = f"{what} at step {self._steps}: {why}. {labels}"
+                self._stop(model)
+                return
             where = f"{where} {recalibration_hint(model, self.diagnose_data)}".rstrip()
         self.diagnosis = f"{what} at step {self._steps}: {why}. {where} {_FIX_HINT}"
+        self._stop(model)
+
+    def _stop(self, model):
         if self.action == "raise":
             raise FloatingPointError(self.diagnosis)
         logger.warning("NonFiniteGuard stops training. %s", self.diagnosis)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from keras_mp.tf.xla import compiling_with_xla
 
-__all__ = ["compiling_with_xla", "sparse_xent_from_logits"]
+__all__ = ["assert_no_bad_labels", "compiling_with_xla", "sparse_xent_from_logits"]
 
 CHUNK_ELEMENTS = 2**21  # float32 values per chunk: 8 MiB temporaries
 
@@ -65,6 +65,23 @@ def _chunked(fn, dtype, tail, rows, chunks, *tensors):
         lambda i, _: i < chunks, body, (tf.constant(0), out), parallel_iterations=2
     )
     return tf.reshape(out.concat(), [-1, *tail])
+
+
+def assert_no_bad_labels(labels, bad, message: str):
+    """`labels`, made to depend on an assertion that no entry of `bad` is True.
+
+    The assertion (a graph op: no host sync) fails the step with `message` and the bad
+    values (`InvalidArgumentError`), before the gather that cannot index them.
+    """
+    import tensorflow as tf
+
+    check = tf.debugging.Assert(
+        tf.logical_not(tf.reduce_any(bad)),
+        [message, "Out-of-range label values:", tf.boolean_mask(labels, bad)],
+        summarize=8,
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(labels)
 
 
 def sparse_xent_from_logits(labels, logits, valid=None, chunk_elements: int = CHUNK_ELEMENTS):
