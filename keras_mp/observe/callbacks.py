@@ -6,6 +6,10 @@
 * `CollapseGuard` stops (or raises `LossScaleCollapseError`) when the loss scale is stuck
   at its floor or too many steps are skipped, naming the variables whose gradients were
   non-finite.
+* `DivergenceGuard` (`keras_mp.observe.divergence`) stops a run whose loss climbs far above
+  its best under any policy (a learning rate far too high), naming the learning rate;
+  `CollapseGuard` runs the same check by default, and tells a learning-rate blow-up from a
+  float16 range problem when the scale collapses.
 * `NonFiniteGuard` (`keras_mp.observe.nonfinite_guard`) stops a run whose loss stays
   non-finite beyond what loss scaling can absorb, or whose weights went non-finite, and
   names the first layer whose output is non-finite (or the variables).
@@ -18,14 +22,14 @@ is no host synchronisation on other steps.
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections import deque
 
 import keras
 
 from keras_mp.observe.backup import BackupAndRestore  # `kmp.callbacks.BackupAndRestore`
 from keras_mp.observe.checkpoint import ModelCheckpoint  # `kmp.callbacks.ModelCheckpoint`
+from keras_mp.observe.collapse_guard import CollapseGuard, LossScaleCollapseError
+from keras_mp.observe.divergence import DivergenceError, DivergenceGuard
 from keras_mp.observe.nonfinite_guard import NonFiniteGuard, recalibration_hint
 from keras_mp.observe.telemetry import (
     ScalarWriter,
@@ -40,6 +44,8 @@ from keras_mp.observe.telemetry import (
 __all__ = [
     "BackupAndRestore",
     "CollapseGuard",
+    "DivergenceError",
+    "DivergenceGuard",
     "LossScaleCollapseError",
     "LossScaleMonitor",
     "ModelCheckpoint",
@@ -48,10 +54,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("keras_mp")
-
-
-class LossScaleCollapseError(RuntimeError):
-    """Raised by `CollapseGuard(action="raise")` when loss scaling can no longer help."""
 
 
 @keras.saving.register_keras_serializable(package="keras_mp")
@@ -180,173 +182,4 @@ class LossScaleMonitor(keras.callbacks.Callback):
             "log_dir": self.log_dir,
             "every_n_steps": self.every_n_steps,
             "log_format": self.log_format,
-        }
-
-
-# -- CollapseGuard ------------------------------------------------------------------------
-
-_COLLAPSE_HINT = (
-    "The gradients stay non-finite however far the scale backs off, so loss scaling cannot "
-    "fix them: look at the layers of the named variables (an op with an infinite derivative, "
-    "such as sqrt or log at 0, or activations above the float16 maximum: run "
-    "`kmp.audit(model, (x, y))`), pin them to float32 (`kmp.layers.Float32`), or train with "
-    "'mixed_bfloat16'."
-)
-
-
-@keras.saving.register_keras_serializable(package="keras_mp")
-class CollapseGuard(keras.callbacks.Callback):
-    """Stops training when loss scaling has collapsed.
-
-    Every `check_every` steps it reads the scale and the skip counter. It fires when
-      * the scale has been at or below its floor (`min_scale`, by default the
-        optimizer's own `min_scale`; 1.0 for Keras' `LossScaleOptimizer`) for
-        `patience` consecutive checks, or
-      * more than `max_skip_rate` of the last `window` steps were skipped.
-
-    Firing sets `model.stop_training = True` and logs the diagnosis (`action="stop"`), or
-    raises `LossScaleCollapseError` (`action="raise"`). The diagnosis, also kept in
-    `self.diagnosis` (with the step in `self.stopped_step`), says what happened and
-    names the variables whose gradients were non-finite in the last overflow. A static
-    scale cannot collapse: under the fixed 1 of `"mixed_bfloat16"`, `"float32"` and
-    `"float8"` (compiled through keras_mp) and under `"lean_bfloat16"` only the skip rate
-    is judged. A model whose optimizer neither scales nor skips and that computes in no
-    float16 gives the guard nothing to read: it then does nothing and says why once
-    (`self.idle_reason`); use `NonFiniteGuard` to stop such a run.
-
-    Args:
-        patience: consecutive checks at the floor before firing.
-        min_scale: the floor; `None` uses the optimizer's `min_scale`.
-        max_skip_rate: fire when the fraction of skipped steps over the last `window`
-            steps exceeds this, in (0, 1].
-        window: steps over which the skip rate is measured (it is judged once that many
-            steps have run in this `fit`).
-        action: `"stop"` or `"raise"`.
-        check_every: read the optimizer every this many steps.
-
-    Example:
-
-    >>> guard = kmp.callbacks.CollapseGuard(patience=10, action="raise")
-    >>> model.fit(x, y, callbacks=[guard])  # doctest: +SKIP
-    """
-
-    def __init__(
-        self,
-        patience: int = 10,
-        min_scale: float | None = None,
-        max_skip_rate: float = 0.5,
-        window: int = 100,
-        action: str = "stop",
-        check_every: int = 1,
-    ):
-        super().__init__()
-        self.patience = positive_int("CollapseGuard", "patience", patience)
-        if min_scale is not None and (
-            isinstance(min_scale, bool)
-            or not isinstance(min_scale, (int, float))
-            or not 0 < min_scale < math.inf
-        ):
-            raise ValueError(
-                f"CollapseGuard: `min_scale` must be None or a finite number > 0, "
-                f"got {min_scale!r}."
-            )
-        self.min_scale = min_scale
-        if (
-            isinstance(max_skip_rate, bool)
-            or not isinstance(max_skip_rate, (int, float))
-            or not (0 < max_skip_rate <= 1)
-        ):
-            raise ValueError(
-                f"CollapseGuard: `max_skip_rate` must be a number in (0, 1], got {max_skip_rate!r}."
-            )
-        self.max_skip_rate = float(max_skip_rate)
-        self.window = positive_int("CollapseGuard", "window", window)
-        self.action = choice("CollapseGuard", "action", action, ("stop", "raise"))
-        self.check_every = positive_int("CollapseGuard", "check_every", check_every)
-        self.diagnosis: str | None = None
-        self.stopped_step: int | None = None
-        self.idle_reason: str | None = None
-
-    def on_train_begin(self, logs=None):
-        self.diagnosis = None
-        self.stopped_step = None
-        self.idle_reason = unscaled_reason(self._model, "CollapseGuard")
-        if self.idle_reason:
-            return
-        self._telemetry = Telemetry(self._model, "CollapseGuard")
-        self._counter = StepCounter(self._telemetry)
-        self._floor = self.min_scale if self.min_scale is not None else self._telemetry.min_scale
-        self._at_floor = 0
-        self._checks: deque = deque([(0, self._counter.skipped())])
-        self.diagnosis = None
-        self.stopped_step = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self.idle_reason:
-            return
-        self._counter.begin_epoch()
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.idle_reason:
-            return
-        self._counter.end_batch(batch)
-        step = self._counter.steps
-        if step % self.check_every:
-            return
-        scale, skipped = self._telemetry.scale(), self._counter.skipped()
-        at_floor = self._telemetry.dynamic and scale <= self._floor * (1 + 1e-6)
-        self._at_floor = self._at_floor + 1 if at_floor else 0
-        checks = self._checks
-        checks.append((step, skipped))
-        while len(checks) > 2 and step - checks[1][0] >= self.window:
-            checks.popleft()
-        span = step - checks[0][0]
-        rate = (skipped - checks[0][1]) / span if span else 0.0
-        if self._at_floor >= self.patience:
-            what = (
-                f"the loss scale has been at its floor ({scale:g} <= {self._floor:g}) for "
-                f"{self._at_floor} consecutive checks"
-            )
-        elif span >= self.window and rate > self.max_skip_rate:
-            what = (
-                f"{rate:.0%} of the last {span} steps were skipped for non-finite gradients "
-                f"(max_skip_rate={self.max_skip_rate:g}; loss scale now {scale:g})"
-            )
-        else:
-            return
-        self._fire(what, step, skipped)
-
-    def _fire(self, what: str, step: int, skipped: int):
-        opt = self.model.optimizer  # `self.model` syncs the JAX state once, here.
-        if hasattr(opt, "nonfinite_variable_names"):
-            names = opt.nonfinite_variable_names()
-            culprits = (
-                "Gradients were non-finite in the last overflow for: " + ", ".join(names) + "."
-                if names
-                else "No variable is recorded with a non-finite gradient."
-            )
-        else:
-            culprits = "(Keras' LossScaleOptimizer does not record which gradients overflowed.)"
-        self.stopped_step = step
-        self.diagnosis = (
-            f"Loss-scale collapse at step {step}: {what}; {skipped} step(s) skipped in total. "
-            f"{culprits} {_COLLAPSE_HINT}"
-        )
-        if self.action == "raise":
-            raise LossScaleCollapseError(self.diagnosis)
-        logger.warning("CollapseGuard stops training. %s", self.diagnosis)
-        self.model.stop_training = True
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-    def get_config(self):
-        return {
-            "patience": self.patience,
-            "min_scale": self.min_scale,
-            "max_skip_rate": self.max_skip_rate,
-            "window": self.window,
-            "action": self.action,
-            "check_every": self.check_every,
         }

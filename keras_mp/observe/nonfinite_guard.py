@@ -15,6 +15,14 @@ import numpy as np
 
 from keras_mp.conversion.probe import first_nonfinite_layer, to_numpy, unpack
 from keras_mp.numerics.label_range import bad_label_message
+from keras_mp.observe.divergence import (
+    LossTrend,
+    cause_of_overflow,
+    evidence,
+    growth_since,
+    initial_norm,
+    learning_rate_advice,
+)
 from keras_mp.observe.telemetry import (
     Telemetry,
     choice,
@@ -180,7 +188,9 @@ class NonFiniteGuard(keras.callbacks.Callback):
         self._skipped_seen = 0
         if self._telemetry is not None and self._telemetry.has_counter:
             self._skipped_seen = self._telemetry.skipped()
-        self.diagnosis = self.culprit = self.stopped_step = None
+        self.diagnosis = self.culprit = self.stopped_step = self.cause = None
+        self._trend = LossTrend()
+        self._norm0 = initial_norm(self._model)
 
     def _this_step_skipped(self) -> bool:
         t = self._telemetry
@@ -214,6 +224,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         if every and self._steps % every == 0 and self._check_weights():
             return
         loss = (logs or {}).get("loss")
+        self._trend.update(batch, loss)
         # The logged loss is the epoch's running mean: once non-finite it stays so for the
         # epoch, so with a loss scaler a step only counts when it was itself skipped.
         if loss is None or math.isfinite(loss) or not self._this_step_skipped():
@@ -231,6 +242,17 @@ class NonFiniteGuard(keras.callbacks.Callback):
     def _fire(self, why: str, what: str = "Non-finite loss"):
         model = self.model  # syncs the JAX state so the diagnosis sees the current weights
         self.stopped_step = self._steps
+        growth = growth_since(self._norm0, model)
+        self.cause = cause_of_overflow(self._trend, growth)
+        if self.cause == "learning_rate":  # the weights grew: no layer is to blame
+            self.diagnosis = (
+                f"{what} at step {self._steps}: {why}. "
+                "Not a problem of the compute dtype's range: "
+                f"{evidence(self._trend, growth)}, so the steps themselves blow up: "
+                f"{learning_rate_advice(model)}"
+            )
+            self._stop(model)
+            return
         corrupted = [
             v.path
             for v in model.trainable_variables

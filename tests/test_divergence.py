@@ -1,0 +1,117 @@
+"""A learning rate far too high is caught under every policy and named; a float16 range
+problem is told apart from it and named by its layer (issue 52)."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mp as kmp
+from keras_mp.observe.divergence import LossTrend
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 16)).astype("float32")
+    y = np.argmax(x @ rng.normal(size=(16, 4)), -1)
+    return x, y
+
+
+def _model(policy, lr):
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+    model = kmp.convert(base, policy)
+    model.compile(
+        keras.optimizers.Adam(lr), kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return model
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "lean_bfloat16", "float32"])
+def test_a_learning_rate_blow_up_is_stopped_and_named_without_float16(policy):
+    x, y = _data()
+    model = _model(policy, 1e3)
+    guard = kmp.callbacks.DivergenceGuard()
+    collapse = kmp.callbacks.CollapseGuard()
+    model.fit(x, y, batch_size=32, epochs=10, verbose=0, callbacks=[collapse, guard])
+    # 80 steps without the guards; the guards stop within the patience (10) + a few steps
+    assert guard.stopped_step is not None and guard.stopped_step <= 20
+    assert guard.cause == "learning_rate"
+    assert "the learning rate (1000) is too high" in guard.diagnosis
+    assert "warmup" in guard.diagnosis and "clipnorm" in guard.diagnosis
+    # CollapseGuard runs the same check by default (it judged only skip rates before)
+    assert collapse.stopped_step == guard.stopped_step
+    assert collapse.cause == "learning_rate"
+
+
+def test_float16_collapse_from_a_learning_rate_blames_the_learning_rate():
+    x, y = _data()
+    guards = [
+        kmp.callbacks.CollapseGuard(divergence=False),
+        kmp.callbacks.NonFiniteGuard(patience=3, diagnose_data=(x[:32], y[:32])),
+    ]
+    for guard in guards:
+        _model("mixed_float16", 1e3).fit(
+            x, y, batch_size=32, epochs=10, verbose=0, callbacks=[guard]
+        )
+        assert guard.diagnosis is not None, type(guard).__name__
+        assert guard.cause == "learning_rate"
+        assert "the learning rate (1000) is too high" in guard.diagnosis
+        assert "train with 'mixed_bfloat16'" not in guard.diagnosis
+        assert "x what it was since training began" in guard.diagnosis
+
+
+def test_collapse_from_an_adapted_normalization_names_it_and_calibrate():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(1e4, 1e5, size=(256, 8)).astype("float32")
+    y = (x[:, 0] > 5e4).astype("int32")
+    norm = keras.layers.Normalization(name="scaler")
+    norm.adapt(x)
+    base = keras.Sequential(
+        [keras.Input((8,)), norm, keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)]
+    )
+    model = kmp.convert(base, "mixed_float16")
+    model.compile(
+        keras.optimizers.Adam(1e-3), kmp.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    guard = kmp.callbacks.CollapseGuard()
+    model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[guard])
+    assert guard.stopped_step is not None
+    assert guard.cause == "range"
+    assert "'scaler' (Normalization: variance up to" in guard.diagnosis
+    assert "calibrate=" in guard.diagnosis
+    assert "dense" not in guard.diagnosis  # the layers downstream are not blamed
+
+
+def test_healthy_training_is_left_alone():
+    x, y = _data()
+    model = _model("mixed_bfloat16", 1e-2)
+    guard = kmp.callbacks.DivergenceGuard()
+    history = model.fit(x, y, batch_size=16, epochs=12, verbose=0, callbacks=[guard])
+    assert guard.stopped_step is None
+    assert len(history.history["loss"]) == 12
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+
+
+def test_loss_trend_ignores_noise_near_zero_and_handles_negative_losses():
+    trend = LossTrend()
+    values = [2.0] + [0.01] * 20 + [0.04] * 20  # 4x its best, but 2% of the way back
+    assert not any(trend.update(i, v) for i, v in enumerate(values))
+    trend = LossTrend()  # a negative loss (cosine similarity) that gets worse
+    values = [-0.9] * 10 + [-0.95] * 10 + [1.5] * 5
+    flags = [trend.update(i, v) for i, v in enumerate(values)]
+    assert not any(flags[:20]) and all(flags[20:])
+
+
+def test_divergence_guard_validates_and_round_trips():
+    with pytest.raises(ValueError, match="`factor` must be a number > 1"):
+        kmp.callbacks.DivergenceGuard(factor=1.0)
+    guard = kmp.callbacks.DivergenceGuard(patience=4, action="raise")
+    again = kmp.callbacks.DivergenceGuard.from_config(guard.get_config())
+    assert again.get_config() == guard.get_config()
