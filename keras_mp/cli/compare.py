@@ -154,7 +154,7 @@ def run_policy(
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         monitor = kmp_callbacks.LossScaleMonitor()
         callbacks.insert(0, monitor)
-    reset_peak_memory()
+    reset_peak_memory(_memory_device())
     start = time.perf_counter()
     model.fit(
         data.x_train,
@@ -186,7 +186,7 @@ def run_policy(
         "steps_per_second": steps_per_epoch / steady_s if steady_s > 0 else None,
         "compile_seconds": max(0.0, times[0] - steady_s) if len(times) > 1 else None,
         "wall_seconds": wall,
-        "peak_memory_bytes": peak_memory(),
+        "peak_memory_bytes": peak_memory(_memory_device()),
         "state_bytes_per_parameter": round(kmp.state_bytes(model).per_parameter, 3),
         "state_bytes": kmp.state_bytes(model).to_dict(),
         "frozen_fraction": last["frozen_fraction"],
@@ -213,6 +213,47 @@ def run_policy(
             "value": [float(v) for v in monitor.history["loss_scale"]],
         }
     return row
+
+
+def _memory_device() -> str:
+    """The TensorFlow allocator whose peak the table shows: the first GPU, else the CPU
+    one (oneDNN's, which keeps statistics where the CPU has AVX512 neural-network
+    instructions; elsewhere it reports nothing)."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    return "GPU"
+
+
+def _memory_source(rows: list[dict]) -> str | None:
+    """What the `peak mem` column measured, or None where the backend reported nothing."""
+    if all(r.get("peak_memory_bytes") is None for r in rows):
+        return None
+    if keras.backend.backend() == "tensorflow":
+        if _memory_device() == "CPU":
+            return "TensorFlow's CPU allocator peak in each mode (tensors, not the process RSS)"
+        return "TensorFlow's GPU allocator peak in each mode"
+    return "the device's peak so far in this process (JAX cannot reset it: an upper bound)"
+
+
+def _speed(cfg: CompareConfig, base: keras.Model, rows: list[dict]) -> dict:
+    """Why the rows run at their speed: the model's FLOPs a step and, on a full run where
+    the machine has low-precision matrix units, a matmul-bound step timed side by side
+    (`keras_mp.cli.compare_speed`; a quick `--limit` run skips it)."""
+    from keras_mp.cli.compare_speed import low_precision_units, matmul_probe, train_flops
+
+    speed = {"train_gflop": train_flops(base, cfg.batch_size) / 1e9}
+    policy, hardware = low_precision_units()
+    if policy is None:
+        speed["hardware"] = hardware
+    low = [r for r in rows if r["policy"] != "float32" and not r.get("error")]
+    if policy is not None and low and cfg.limit is None:
+        try:
+            speed["probe"] = matmul_probe()
+        except Exception as e:  # noqa: BLE001 - the table matters more than the probe
+            speed["probe_error"] = f"{type(e).__name__}: {e}"[:200]
+    return speed
 
 
 def _failed_row(policy: str, error: Exception) -> dict:
@@ -312,8 +353,10 @@ def run_compare(cfg: CompareConfig, progress=None) -> dict:
         `accuracy_diff`, `steps_per_second`, `speed_ratio`, `peak_memory_bytes`,
         `state_bytes_per_parameter` (persistent training state, `kmp.state_bytes`),
         `skipped_steps`, `final_loss_scale`, `frozen_fraction`, `verdict`, `history`,
-        `lean_state` (a lean row's `rounding` and `moments`), ...)
-        and `wall_seconds`.
+        `lean_state` (a lean row's `rounding` and `moments`), ...), `speed` (the model's
+        `train_gflop` a step, the `hardware` phrase and, on a full run where the machine
+        has bfloat16/float16 matrix units, the side-by-side `probe` of
+        `keras_mp.cli.compare_speed.matmul_probe`) and `wall_seconds`.
     """
     import platform
 
@@ -338,6 +381,7 @@ def run_compare(cfg: CompareConfig, progress=None) -> dict:
     finally:
         keras.config.set_dtype_policy(previous)
     _relative(rows)
+    speed = _speed(cfg, base, rows)
     return {
         "config": {**dataclasses.asdict(cfg), "policies": list(cfg.policies)},
         "data": {
@@ -355,7 +399,9 @@ def run_compare(cfg: CompareConfig, progress=None) -> dict:
             "python": platform.python_version(),
             "machine": platform.machine(),
             "processor": platform.processor() or "unknown",
+            "peak_memory_source": _memory_source(rows),
         },
+        "speed": speed,
         "thresholds": dict(THRESHOLDS),
         "rows": rows,
         "wall_seconds": time.perf_counter() - start,

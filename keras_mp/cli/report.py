@@ -48,6 +48,22 @@ _STYLES = {
 }
 
 
+def _memory_reported(results: dict) -> bool:
+    return any(r.get("peak_memory_bytes") is not None for r in results["rows"])
+
+
+def _memory_caption(results: dict) -> str:
+    """What the `peak mem` column shows, or, once, that the backend reports nothing."""
+    env = results.get("environment", {})
+    if not _memory_reported(results):
+        return (
+            f"peak memory: not reported by the {env.get('backend', 'this')} backend on this "
+            "device (no column)."
+        )
+    source = env.get("peak_memory_source") or "device peak where the backend reports it"
+    return f"peak mem: {source}."
+
+
 def format_table(results: dict):
     """The comparison as a `rich.table.Table` (one row per precision mode)."""
     from rich.table import Table
@@ -66,11 +82,12 @@ def format_table(results: dict):
         f"state, whose roundings are unbiased) = stalled; "
         f"non-finite loss or final train loss > {thr['diverged_loss_growth']:g}× the first "
         f"epoch's = diverged. compile: xla = jit_compile=True, default = Keras' choice. "
-        f"peak mem: device peak where the backend reports it (JAX: process peak so far). "
+        f"{_memory_caption(results)} "
         f"state B/p: bytes of persistent training state (weights, compensation, optimizer "
         f"state, scaler) per parameter, exact from the variables (kmp.state_bytes)."
     )
     table = Table(title=title, caption=caption, caption_justify="left")
+    memory = _memory_reported(results)
     for name, justify in [
         ("mode", "left"),
         ("compile", "left"),
@@ -79,7 +96,7 @@ def format_table(results: dict):
         ("val loss", "right"),
         ("steps/s", "right"),
         ("× FP32", "right"),
-        ("peak mem", "right"),
+        *([("peak mem", "right")] if memory else []),
         ("state B/p", "right"),
         ("skipped", "right"),
         ("loss scale", "right"),
@@ -97,7 +114,7 @@ def format_table(results: dict):
             _num(r["val_loss"], ".4f"),
             _num(r["steps_per_second"], ".1f"),
             _num(r["speed_ratio"], ".2f"),
-            _memory(r["peak_memory_bytes"]),
+            *([_memory(r["peak_memory_bytes"])] if memory else []),
             _num(r.get("state_bytes_per_parameter"), ".2f"),
             _num(r["skipped_steps"], "d", dash="—"),
             _num(r["final_loss_scale"], ".0f", dash="—"),
@@ -201,8 +218,7 @@ _ROUNDING = {
     "stochastic": "bfloat16 weights rounded stochastically (unbiased: updates below their "
     "ulp add up on average)",
     "kahan": "bfloat16 weights whose rounding error is kept in an 8-bit compensation buffer",
-    "kahan16": "bfloat16 weights whose rounding error is kept in a bfloat16 compensation "
-    "buffer",
+    "kahan16": "bfloat16 weights whose rounding error is kept in a bfloat16 compensation buffer",
 }
 _MOMENTS = {"int4": "4-bit", "int8": "8-bit", "bfloat16": "bfloat16", "float32": "float32"}
 
@@ -308,6 +324,7 @@ def _json_default(value):
 def run(args) -> int:
     """Runs `keras-mp compare` from parsed arguments; returns the exit status."""
     from keras_mp.cli.compare import run_compare
+    from keras_mp.cli.compare_speed import speed_notes
     from keras_mp.cli.settings import config_from_args
 
     cfg = config_from_args(args)
@@ -315,7 +332,7 @@ def run(args) -> int:
     con = console()
     with progress_bars(con, enabled=not args.no_progress) as factory:
         results = run_compare(cfg, progress=factory)
-    results["notes"] = notes(results["rows"], cfg)
+    results["notes"] = notes(results["rows"], cfg) + speed_notes(results)
     con.print(format_table(results))
     for note in results["notes"]:
         con.print(f"note: {note}")
