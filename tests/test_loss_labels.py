@@ -120,3 +120,32 @@ def test_nonfinite_guard_names_the_labels_under_xla():
     assert "label(s) outside the class range" in guard.diagnosis
     assert "class indices in [0, 4) (the predictions have 4 classes); got 7." in guard.diagnosis
     assert "float16" not in guard.diagnosis
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_binary_labels_outside_0_1_are_named_or_nan(jit_compile):
+    loss = kmp.losses.BinaryCrossentropy(from_logits=True)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 1\].*got -1, 2.*\(y \+ 1\) / 2"):
+        loss(np.array([[-1.0], [2.0], [1.0]]), np.zeros((3, 1), "float32"))
+    # soft labels and label smoothing stay fine
+    soft = kmp.losses.BinaryCrossentropy(from_logits=True, label_smoothing=0.1)
+    assert float(soft(np.array([[0.3], [1.0]]), np.zeros((2, 1), "float32"))) == pytest.approx(
+        np.log(2.0), rel=1e-6
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8)).astype("float32")
+    y = np.where(rng.random((32, 1)) > 0.5, 1.0, -1.0).astype("float32")  # -1/1 labels
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic=False, initial_scale=1.0)
+    model.compile(optimizer=opt, loss=loss, jit_compile=jit_compile)
+    before = [np.array(w) for w in model.get_weights()]
+    if jit_compile or BACKEND != "tensorflow":  # XLA, or JAX: NaN and a skipped step
+        history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        assert np.isnan(history.history["loss"][0])  # Keras' own: a finite loss
+        for a, b in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    else:
+        import tensorflow as tf
+
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"must be in \[0, 1\]"):
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)

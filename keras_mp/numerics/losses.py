@@ -31,7 +31,6 @@ from __future__ import annotations
 import inspect
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_mp.keras_glue.keras_internals import (
@@ -39,7 +38,14 @@ from keras_mp.keras_glue.keras_internals import (
     reduce_weighted_values,
     set_keras_mask,
 )
-from keras_mp.numerics.label_range import check_labels, poison
+from keras_mp.numerics.label_range import (
+    check_labels,
+    check_sparse_shapes,
+    check_unit_labels,
+    known_shape,
+    poison,
+    unmasked_labels,
+)
 
 __all__ = [
     "BinaryCrossentropy",
@@ -161,51 +167,6 @@ def _fused_xla(labels, logits, valid, bad=None):
     return fused(logits)
 
 
-def _known_shape(x) -> tuple | None:
-    """`x`'s shape as a tuple, or None where its rank is unknown (a TF graph tensor)."""
-    try:
-        shape = x.shape if hasattr(x, "shape") else np.shape(x)
-        return tuple(shape)
-    except (ValueError, TypeError):
-        return None
-
-
-def _check_sparse_shapes(target_shape, output_shape) -> None:
-    """Keras' checks of integer labels against logits, made before the fused path (whose
-    own error, from inside the backend, would not name the labels)."""
-    if len(target_shape) != len(output_shape) - 1:
-        hint = (
-            " The labels look one-hot (the same shape as the predictions): use "
-            "`kmp.losses.CategoricalCrossentropy` for one-hot labels, or pass class indices."
-            if tuple(target_shape) == tuple(output_shape)
-            else ""
-        )
-        raise ValueError(
-            "SparseCategoricalCrossentropy: the labels must have one dimension less than the "
-            f"predictions (integer class indices); got labels of shape {tuple(target_shape)} "
-            f"and predictions of shape {tuple(output_shape)}.{hint}"
-        )
-    for a, b in zip(target_shape, output_shape[:-1]):
-        if a is not None and b is not None and a != b:
-            raise ValueError(
-                "SparseCategoricalCrossentropy: the labels' shape must match the predictions' "
-                f"without their class axis; got labels of shape {tuple(target_shape)} and "
-                f"predictions of shape {tuple(output_shape)}."
-            )
-
-
-def _unmasked_labels(y_true, mask, rank: int):
-    """`y_true` as a tensor without a trailing axis of 1, with label 0 at the positions the
-    predictions' Keras `mask` leaves out (their loss is masked away: a padding label there
-    is no error)."""
-    y_true = ops.convert_to_tensor(y_true)
-    if len(y_true.shape) == rank and y_true.shape[-1] == 1:
-        y_true = ops.squeeze(y_true, -1)
-    if mask is not None and len(mask.shape) == len(y_true.shape):
-        y_true = ops.where(mask, y_true, ops.zeros_like(y_true))
-    return y_true
-
-
 @keras.saving.register_keras_serializable(package="keras_mp")
 class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
     """`keras.losses.SparseCategoricalCrossentropy` computed in float32.
@@ -293,14 +254,14 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
             and self.axis in (-1, rank - 1)
         )
         if rank >= 1 and self.axis in (-1, rank - 1):
-            target = _known_shape(y_true)
+            target = known_shape(y_true)
             if target is not None:
                 if len(target) == rank and target[-1] == 1:
                     target = target[:-1]
-                _check_sparse_shapes(target, tuple(y_pred.shape))
+                check_sparse_shapes(target, tuple(y_pred.shape))
         in_mask = get_keras_mask(y_pred)
         if not fused:
-            y_true = _unmasked_labels(y_true, in_mask, rank)
+            y_true = unmasked_labels(y_true, in_mask, rank)
             return super().__call__(y_true, y_pred, sample_weight=sample_weight)
         # Keras' Loss.__call__ without its float32 copy of y_pred (the fused loss up-casts
         # inside, and keeps the logits in their own dtype for the backward pass).
@@ -308,7 +269,7 @@ class SparseCategoricalCrossentropy(keras.losses.SparseCategoricalCrossentropy):
             y_pred = ops.convert_to_tensor(y_pred)
             if not keras.backend.is_float_dtype(y_pred.dtype):
                 y_pred = ops.cast(y_pred, _FLOAT32)
-            y_true = _unmasked_labels(y_true, in_mask, rank)
+            y_true = unmasked_labels(y_true, in_mask, rank)
             losses = sparse_categorical_crossentropy_from_logits(
                 y_true, y_pred, ignore_class=self.ignore_class
             )
@@ -404,6 +365,11 @@ class CategoricalCrossentropy(keras.losses.CategoricalCrossentropy):
 class BinaryCrossentropy(keras.losses.BinaryCrossentropy):
     """`keras.losses.BinaryCrossentropy` computed in float32.
 
+    Labels outside `[0, 1]` (e.g. -1/1 labels) raise a `ValueError` naming them where they
+    are known (eager calls; a TensorFlow graph without XLA fails the step with the same
+    message) and make their sample's loss and gradient NaN under XLA and on JAX (a skipped
+    step under keras_mp's scalers), where Keras' loss trains on them silently.
+
     Args:
         from_logits: Whether `y_pred` holds logits (recommended) or probabilities.
         label_smoothing: Float in `[0, 1]`; moves targets towards 0.5.
@@ -441,3 +407,7 @@ class BinaryCrossentropy(keras.losses.BinaryCrossentropy):
             name=name,
             dtype=_FLOAT32,
         )
+
+    def call(self, y_true, y_pred):
+        """Keras' per-sample loss, with the labels checked against `[0, 1]`."""
+        return super().call(check_unit_labels(y_true, "BinaryCrossentropy"), y_pred)
