@@ -115,3 +115,12 @@ def test_divergence_guard_validates_and_round_trips():
     guard = kmp.callbacks.DivergenceGuard(patience=4, action="raise")
     again = kmp.callbacks.DivergenceGuard.from_config(guard.get_config())
     assert again.get_config() == guard.get_config()
+
+
+def test_divergence_guard_alone_fires_under_async_dispatch():
+    """Alone (verbose=0) the guard is dispatched on Keras' worker thread where the backend
+    allows it (JAX): steps may arrive out of order, and it must still fire."""
+    x, y = _data()
+    guard = kmp.callbacks.DivergenceGuard()
+    _model("mixed_bfloat16", 1e3).fit(x, y, batch_size=32, epochs=10, verbose=0, callbacks=[guard])
+    assert guard.cause == "learning_rate" and guard.stopped_step <= 40

@@ -89,20 +89,30 @@ class LossTrend:
         self.finite_before_nonfinite = 0
         self.steps = 0
 
-    def update(self, batch: int, loss) -> bool:
+    def update(self, batch: int, loss, first: bool | None = None) -> bool:
         """Records one step; returns whether the loss is now risen (or non-finite after a
-        finite start)."""
+        finite start).
+
+        Args:
+            batch: the batch index in its epoch.
+            loss: the logged loss.
+            first: whether this is the run's first step; None: the first one recorded
+                (callbacks dispatched asynchronously may see the steps out of order).
+        """
         self.steps += 1
         if loss is None:
             return False
         loss = float(loss)
+        first = self.start is None if first is None else first
         if not math.isfinite(loss):
             if self.first_nonfinite is None:
-                self.first_nonfinite = self.steps - 1
-                self.finite_before_nonfinite = self.steps - 1
+                self.first_nonfinite = 0 if first else self.steps - 1
+                self.finite_before_nonfinite = 0 if first else self.steps - 1
             return self.start is not None
-        if self.start is None:
-            self.start = self.best = loss
+        if first or self.start is None:  # steps seen before the first are not judged
+            self.best = loss if self.best is None else min(self.best, loss)
+            if first:
+                self.start = loss
             return False
         if batch + 1 < self.min_steps:  # not judged against the best, but a rise counts
             risen = self.risen_value(loss)
@@ -351,7 +361,13 @@ class DivergenceGuard(keras.callbacks.Callback):
         self.cause: str | None = None
         self.stopped_step: int | None = None
 
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._first_epoch is None:
+            self._first_epoch = epoch
+        self._epoch = epoch
+
     def on_train_begin(self, logs=None):
+        self._first_epoch = self._epoch = None
         self.trend = LossTrend(self.factor, self.rise_fraction, self.min_steps)
         self._norm0 = initial_norm(self._model)
         self._risen = 0
@@ -360,7 +376,9 @@ class DivergenceGuard(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.stopped_step is not None:
             return
-        risen = self.trend.update(batch, (logs or {}).get("loss"))
+        # Keras may dispatch this on a worker thread, steps out of order within an epoch.
+        first = batch == 0 and self._epoch == self._first_epoch
+        risen = self.trend.update(batch, (logs or {}).get("loss"), first=first)
         self._risen = self._risen + 1 if risen else 0
         if self._risen >= self.patience:
             self._fire()
