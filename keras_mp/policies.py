@@ -154,7 +154,13 @@ class Policy(keras.DTypePolicy):
             warnings.warn(
                 f"Policy {self.name!r} keeps variables in {self.variable_dtype} with no FP32 "
                 f"master weights: small updates are rounded away. Use "
-                f"'mixed_{self.name}' for training; {self.name!r} is for comparison.",
+                f"'mixed_{self.name}' for training"
+                + (
+                    " ('lean_bfloat16' for bfloat16 weights whose updates are kept)"
+                    if self.name == "bfloat16"
+                    else ""
+                )
+                + f"; {self.name!r} is for comparison.",
                 UserWarning,
                 stacklevel=3,
             )

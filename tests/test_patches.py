@@ -92,6 +92,9 @@ def test_import_hides_tensorflow_info_lines_unless_the_user_chose_a_level():
         "collective_broadcasts": True,
         "clone_model": True,
         "sublayer_dtypes": True,
+        "user_pins": True,
+        "normalization_adapt": True,
+        "added_losses": True,
     }
     assert out["optimizer"] == "LossScaleOptimizer"
 
@@ -106,5 +109,8 @@ def test_keras_mp_no_patch_changes_nothing():
         "collective_broadcasts": False,
         "clone_model": False,
         "sublayer_dtypes": False,
+        "user_pins": False,
+        "normalization_adapt": False,
+        "added_losses": False,
     }
     assert out["optimizer"] == "Adam"  # Keras' compile: pass kmp.LossScaleOptimizer yourself

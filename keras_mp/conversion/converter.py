@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 import types
 import warnings
 from typing import Any
@@ -20,19 +19,15 @@ from typing import Any
 import keras
 
 import keras_mp.keep_list as keep_list
+import keras_mp.keras_glue.source_handles as handles
 import keras_mp.scaling.optimizer_guard as optimizer_guard
 from keras_mp.conversion import calibration
 from keras_mp.conversion import runcheck as _runcheck
-from keras_mp.conversion.boundary import (
-    cast_at_boundaries,
-    cast_model_outputs,
-    keep_index_inputs,
-)
+from keras_mp.conversion.apply import apply_plan, saved_by_a_graph
 from keras_mp.conversion.model_copy import copy_model, pair_layers, recast_variables
-from keras_mp.keras_glue.keras_internals import DotNotTrackScope
 from keras_mp.policies import DEFAULT_KEEP_FP32, Policy, as_policy, policy_map
 
-__all__ = ["apply_plan", "convert", "plan"]
+__all__ = ["apply_plan", "convert", "plan", "saved_by_a_graph"]
 
 
 def plan(
@@ -101,96 +96,6 @@ def _check_model(model) -> None:
     )
 
 
-def saved_by_a_graph(layer, parents: dict, model: keras.Model) -> bool:
-    """Whether `layer`'s dtype is saved in its own config, by a Functional/Sequential model
-    that lists its layers and is saved itself (rather than by a keras_hub model's or
-    subclass's map: a `keras.Sequential` head that a keras_hub task makes in its constructor
-    is made anew on loading, not read from the file)."""
-    if isinstance(layer, keras.Model) and not keep_list.serializes_its_layers(layer):
-        return False  # it saves its own dtype, which must carry the map
-    container = parents.get(id(layer))
-    while container is not None and not isinstance(container, keras.Model):
-        container = parents.get(id(container))
-    container = model if container is None else container
-    if not keep_list.serializes_its_layers(container):
-        return False
-    return container is model or saved_by_a_graph(container, parents, model)
-
-
-def apply_plan(model: keras.Model, the_plan: keep_list.Plan, pmap) -> None:
-    """Runs `model` under `the_plan` in place: policies, then keras_mp layer versions.
-
-    A layer inside a Functional/Sequential model whose config lists its layers (a graph
-    node, or a sublayer of one) gets a plain policy (float32 or the base), which the node's
-    config saves. Every other layer with a path (in a keras_hub model, whose config saves
-    only the model's dtype, or in a subclassed model) gets `pmap`, resolved by its path:
-    where a key misses, an exact one is added; so does such a model itself. Layers without a
-    path, which Keras does not resolve through a map, get their policy directly. Then the
-    plan's swaps, keras_mp's layer norm and GELU kernels (same state, config and math), and
-    the casts of low sublayers' outputs to float32 inside a layer pinned alone, and of the
-    model's outputs (and those of the models a subclassed model calls) to float32
-    (`keras_mp.conversion.boundary`).
-    """
-    policy = the_plan.policy
-    float32, base = keras.DTypePolicy("float32"), keras.DTypePolicy(policy.base.name)
-    layers, parents = keep_list.layer_tree(model)
-    where = keep_list.addresses(model)
-    model._dtype_policy = pmap  # keras_hub saves it; the compile hook reads it
-
-    for layer in layers:
-        if isinstance(layer, keras.layers.InputLayer) or layer.quantization_mode is not None:
-            continue
-        # A nested Functional/Sequential container computes nothing itself (its layers
-        # decide), but it reports a dtype: the base one unless pinned, as in stock Keras.
-        want = float32 if where.get(id(layer)) in the_plan.float32 else base
-        if not layer.path or saved_by_a_graph(layer, parents, model):
-            layer._dtype_policy = want
-            continue
-        layer._dtype_policy = pmap  # the public setter would write into a shared map
-        if re.escape(layer.path) in pmap._policy_map:
-            continue  # its own key: the plan's, or the saved model's (a loaded pin)
-        if pmap[layer.path].compute_dtype != want.compute_dtype:
-            pmap[re.escape(layer.path)] = want
-    if policy.is_low_precision:
-        _swap_layers(layers, where, the_plan, policy)
-    cast_at_boundaries(layers, parents)
-    keep_index_inputs(layers, parents)
-    cast_model_outputs(model, layers, parents, policy.is_low_precision)
-
-
-def _track_after_dropout(attention, softmax) -> None:
-    """Puts the softmax where a built `keras_mp.layers.MultiHeadAttention` tracks it."""
-    tracked, dropout = attention._layers, getattr(attention, "_dropout_layer", None)
-    if dropout is None or dropout not in tracked:
-        return
-    with DotNotTrackScope():
-        tracked.remove(softmax)
-        tracked.insert(tracked.index(dropout) + 1, softmax)
-
-
-def _swap_layers(layers, where: dict, the_plan: keep_list.Plan, policy: Policy) -> None:
-    import keras_mp.numerics.activations as activations
-    import keras_mp.numerics.layers as kmp_layers
-
-    fast_norm = "normalization" in policy.keep_fp32
-    for layer in layers:
-        swap = the_plan.swaps.get(where[id(layer)])
-        if swap == "keras_mp.layers.Softmax" and type(layer) is keras.layers.Softmax:
-            layer.__class__ = kmp_layers.Softmax
-        elif swap == "keras_mp.layers.MultiHeadAttention":
-            if type(layer) is keras.layers.MultiHeadAttention:
-                layer.__class__ = kmp_layers.MultiHeadAttention
-                softmax = getattr(layer, "_softmax", None)
-                if type(softmax) is keras.layers.Softmax:
-                    softmax.__class__ = kmp_layers.Softmax
-                    _track_after_dropout(layer, softmax)
-        elif fast_norm and type(layer) is keras.layers.LayerNormalization:
-            if layer.compute_dtype != "float32":
-                layer.__class__ = kmp_layers.LayerNormalization
-        if getattr(layer, "activation", None) is keras.activations.gelu:
-            layer.activation = activations.gelu
-
-
 def _warn_unmatched(model: keras.Model, policy: Policy) -> None:
     """Warns about user-added keep-list entries that match no layer (likely a typo)."""
     outputs = frozenset(id(x) for x in keep_list.output_layers(model))
@@ -207,6 +112,34 @@ def _warn_unmatched(model: keras.Model, policy: Policy) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _warn_chose_float32(model: keras.Model, policy: Policy) -> None:
+    """Warns about layers made with `dtype="float32"` under a float32 global policy, where
+    only some layers were: a pin, maybe, which `convert` cannot tell from a helper's
+    `dtype` argument (`keep_list.user_pins`), so it names them and the way to keep them."""
+    from keras_mp.keep_list.user_pins import chose_float32
+
+    if not policy.is_low_precision:
+        return
+    layers = keep_list.layer_tree(model)[0]
+    chosen = [x for x in layers if chose_float32(x)]
+    weighted = [x for x in layers if x._trainable_variables or x._non_trainable_variables]
+    if not chosen or len(chosen) >= len(weighted):
+        return  # none, or the whole model: its dtype, not a pin
+    where = keep_list.addresses(model)
+    names = [where[id(x)] for x in chosen]
+    shown = ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+    warnings.warn(
+        f"Layer(s) {shown} of model {model.name!r} were made with dtype='float32' under a "
+        f"float32 global policy, like the rest of the model as far as Keras can tell: "
+        f"convert runs them in {policy.compute_dtype} with the others. To keep them "
+        f"float32, add them to the keep-list: kmp.Policy({policy.name!r}, keep_fp32=["
+        f"*kmp.DEFAULT_KEEP_FP32, {', '.join(repr(n) for n in names[:3])}]) (or make them "
+        "float32 under the low-precision global policy).",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _warn_stock_scaler(model: keras.Model) -> None:
@@ -226,6 +159,7 @@ def convert(
     max_batches: int = 8,
     loss: Any = None,
     check: str | None = "auto",
+    in_place: bool = False,
 ) -> keras.Model:
     """Returns a copy of `model` running under `policy`, with its weights.
 
@@ -279,9 +213,17 @@ def convert(
             TensorFlow for a model with a bilinear resizing layer in the low dtype, else
             `"forward"`; None: no run check. Not run for a `Plan` (applied as it is) or a
             float32 policy.
+        in_place: Convert `model` itself rather than a copy, so that the handles you
+            keep on its layers (keras.io's transfer-learning `base_model`, later
+            unfrozen) are the trained model's. The run check and calibration still try
+            their conversions on copies; the plan they settle on is applied to `model`
+            (its variables recast where the policy stores them in another dtype; a
+            compiled model is compiled again, with fresh optimizer state). Default
+            False: the original is not touched, and a `trainable` flag changed on its
+            layers afterwards is named by a warning when the copy is compiled.
 
     Returns:
-        A new, built `keras.Model` of the same class.
+        A new, built `keras.Model` of the same class (`in_place`: `model`).
 
     Raises:
         ValueError: for an unknown policy name, an unbuilt model, a model that can be
@@ -305,9 +247,21 @@ def convert(
     if isinstance(policy, keep_list.Plan):
         if calibrate is not None:
             raise ValueError("convert: pass `calibrate` to kmp.plan, or a policy, not a plan.")
-        return _converted(model, policy)
+        return _converted(model, policy, in_place=in_place)
+    if in_place:  # the checks' conversions are copies; the plan they settle on, in place
+        tried = convert(
+            model,
+            policy,
+            calibrate=calibrate,
+            margin=margin,
+            max_batches=max_batches,
+            loss=loss,
+            check=check,
+        )
+        return _converted(model, tried.precision_plan, in_place=True)
     policy = as_policy(policy)
     _warn_unmatched(model, policy)
+    _warn_chose_float32(model, policy)
     x, inputs = None, ""
     if calibrate is None:
         the_plan, new = keep_list.plan(model, policy), None
@@ -326,13 +280,17 @@ def convert(
     )
 
 
-def _converted(model: keras.Model, the_plan: keep_list.Plan) -> keras.Model:
-    """A copy of `model` running under `the_plan`."""
+def _converted(model: keras.Model, the_plan: keep_list.Plan, in_place: bool = False) -> keras.Model:
+    """A copy of `model` running under `the_plan` (`in_place`: `model` itself)."""
     policy = the_plan.policy
-    try:
-        new, copied = copy_model(model)
-    except ValueError as e:
-        raise ValueError(f"convert: {e}") from e
+    if in_place:
+        new, copied = model, True
+    else:
+        try:
+            new, copied = copy_model(model)
+        except ValueError as e:
+            raise ValueError(f"convert: {e}") from e
+        handles.record(model, new, pair_layers(model, new))
     if not copied:  # rebuilt from its config: paths may differ from the source's
         the_plan = _translate(the_plan, model, new)
     apply_plan(new, the_plan, _runcheck.alone(policy_map(policy, the_plan, new), the_plan, new))

@@ -25,15 +25,14 @@ import time
 from collections.abc import Callable
 
 import keras
-import numpy as np
 
 import keras_mp.keep_list as keep_list
 from keras_mp.conversion import calibration
-from keras_mp.conversion.boundary import index_inputs
 from keras_mp.conversion.trial import (
     RunFailure,
     finite_outputs,
     forward_failure,
+    large_ids,
     sample_inputs,
     train_failure,
 )
@@ -126,11 +125,25 @@ def _same_kind(layer, layers) -> list:
     return [x for x in layers if type(x) is type(layer)]
 
 
-def _error(address, error: str, dtype: str, why: str) -> ValueError:
+_NO_SKIP = (
+    " (check=None would only skip this check: the converted model would fail the same way "
+    "when called)"
+)
+
+
+def _error(address, error: str, dtype: str, why: str, in_float32: bool = False) -> ValueError:
+    if in_float32:  # the layer is float32 already and fails: no pin can fix it
+        return ValueError(
+            f"convert: the converted model cannot run: {why} at layer {address!r}, which "
+            f"fails in float32 too (it is pinned): {error}. This is not a precision problem "
+            "that the keep-list can fix; the float32 source model runs on the same batch, so "
+            "the conversion left this layer inconsistent (e.g. weights in another dtype than "
+            f"it computes in). Please report it with the model{_NO_SKIP}."
+        )
     return ValueError(
         f"convert: the converted model cannot run in {dtype}: {why} at layer {address!r}: "
         f"{error}. Pin it with `keep_fp32` (e.g. kmp.Policy(policy, keep_fp32=[*kmp."
-        f"DEFAULT_KEEP_FP32, {address!r}])), or pass check=None to skip the run check."
+        f"DEFAULT_KEEP_FP32, {address!r}])){_NO_SKIP}."
     )
 
 
@@ -213,7 +226,7 @@ def repair(
                     or isinstance(target, keras.Model)
                     or (where[id(target)] in the_plan.float32)
                 ):
-                    raise _error(failure.address, failure.error, dtype, stage)
+                    raise _error(failure.address, failure.error, dtype, stage, in_float32=True)
             for layer in _same_kind(target, layers):
                 a = where[id(layer)]
                 if a not in the_plan.float32:
@@ -221,7 +234,15 @@ def repair(
         the_plan = make_plan(exact)
         new = convert(the_plan)
     else:
-        raise _error(model.name, "still failing", dtype, f"after {_ROUNDS} rounds of pins")
+        layer = source.get(failure.address)
+        kind = f" ({type(layer).__name__}; the class name pins all of them)" if layer else ""
+        raise _error(
+            failure.address or model.name,
+            f"{failure.error}; {len(exact)} layer(s) pinned in {_ROUNDS} rounds and it still "
+            f"fails{kind}",
+            dtype,
+            stage,
+        )
     result.pinned = {a: r for a, r in exact.items() if a in the_plan.float32}
     result.seconds = time.perf_counter() - began
     the_plan.check = result
@@ -292,26 +313,6 @@ def _with_cost(pin, ranges: dict, float32: set):
         [] if pin.note == keep_list.ALONE else [a for a in float32 if a.startswith(pin.path + "/")]
     )
     return dataclasses.replace(pin, cost=sum(ranges[a].flops for a in own if a in ranges) / total)
-
-
-def large_ids(model: keras.Model, x):
-    """`x` (a batch made from `model.inputs`) with the float inputs that reach an
-    `Embedding` (`boundary.index_inputs`) holding the largest ids, counting down from
-    `input_dim - 1`: ids rounded in a low dtype then fetch a row past the table and fail
-    (1999 is 2000 in bfloat16), where the uniform [0, 1) batch rounds to row 0 or 1.
-    A batch the float32 model cannot run (the ids reach a smaller table too) is left as
-    it was.
-    """
-    found = index_inputs(model) if x is not None else {}
-    if not found or isinstance(x, dict):
-        return x
-    batch = list(x) if isinstance(x, list) else [x]
-    for i, n in found.items():
-        shape = batch[i].shape
-        ids = np.maximum(n - 1 - np.arange(int(np.prod(shape))), 0)
-        batch[i] = ids.reshape(shape).astype(batch[i].dtype)
-    made = batch if isinstance(x, list) else batch[0]
-    return made if forward_failure(model, made) is None else x
 
 
 def run_check(

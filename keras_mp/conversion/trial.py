@@ -17,6 +17,7 @@ import keras
 import numpy as np
 
 import keras_mp.keep_list as keep_list
+from keras_mp.conversion.boundary import index_inputs
 from keras_mp.conversion.probe import _hooked
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "finite_outputs",
     "first_line",
     "forward_failure",
+    "large_ids",
     "sample_inputs",
     "train_failure",
 ]
@@ -220,3 +222,23 @@ def _train_failure(model: keras.Model, x) -> str | None:
 def finite_outputs(model: keras.Model, x) -> bool:
     """Whether every floating output of `model` on `x` (compiled, as `predict`) is finite."""
     return _all_finite(_compiled_call(model, x))
+
+
+def large_ids(model: keras.Model, x):
+    """`x` (a batch made from `model.inputs`) with the float inputs that reach an
+    `Embedding` (`boundary.index_inputs`) holding the largest ids, counting down from
+    `input_dim - 1`: ids rounded in a low dtype then fetch a row past the table and fail
+    (1999 is 2000 in bfloat16), where the uniform [0, 1) batch rounds to row 0 or 1.
+    A batch the float32 model cannot run (the ids reach a smaller table too) is left as
+    it was.
+    """
+    found = index_inputs(model) if x is not None else {}
+    if not found or isinstance(x, dict):
+        return x
+    batch = list(x) if isinstance(x, list) else [x]
+    for i, n in found.items():
+        shape = batch[i].shape
+        ids = np.maximum(n - 1 - np.arange(int(np.prod(shape))), 0)
+        batch[i] = ids.reshape(shape).astype(batch[i].dtype)
+    made = batch if isinstance(x, list) else batch[0]
+    return made if forward_failure(model, made) is None else x

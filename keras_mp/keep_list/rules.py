@@ -33,6 +33,13 @@ from typing import Any
 
 import keras
 
+from keras_mp.keep_list import normalization
+from keras_mp.keep_list.added_losses import REASON as LOSS_REASON
+from keras_mp.keep_list.added_losses import (
+    UPDATE_REASON,
+    adds_loss_in_call,
+    updates_state_in_call,
+)
 from keras_mp.keep_list.decision import ALONE, Pin, Plan
 from keras_mp.keep_list.tree import (
     addresses,
@@ -42,6 +49,7 @@ from keras_mp.keep_list.tree import (
     serializes_its_layers,
     sublayers,
 )
+from keras_mp.keep_list.user_pins import user_pin
 
 __all__ = [
     "ALONE",
@@ -86,7 +94,9 @@ TOKENS = {
     "in the compute dtype), as Switch Transformers keep the router in float32",
     "normalization": "normalization statistics in float32: Keras' BatchNormalization, "
     "LayerNormalization, GroupNormalization and RMSNormalization compute them in float32 "
-    "internally and are not pinned; other Keras normalization layers are",
+    "internally and are not pinned; other Keras normalization layers are (UnitNormalization, "
+    "and the Normalization preprocessing layer, which sees the raw data: adapted on values "
+    "past 65,504 its inputs overflow float16)",
 }
 
 # Keras normalization layers whose `call` up-casts to float32 for the statistics.
@@ -96,7 +106,11 @@ _NATIVE_FP32_STATISTICS = (
     keras.layers.GroupNormalization,
     keras.layers.RMSNormalization,
 )
-_NORMALIZATION = _NATIVE_FP32_STATISTICS + (keras.layers.UnitNormalization,)
+# `Normalization` sees the raw data (keras_mp.keep_list.normalization): always float32.
+_NORMALIZATION = _NATIVE_FP32_STATISTICS + (
+    keras.layers.UnitNormalization,
+    keras.layers.Normalization,
+)
 _PROJECTIONS = (
     keras.layers.Dense,
     keras.layers.EinsumDense,
@@ -299,6 +313,7 @@ def plan(
     source_low = keep is None and model.compute_dtype != "float32"
 
     wanted, swaps = [], {}  # (layer, reason); id -> keras_mp class name
+    added_loss = []  # (layer, reason): pinned alone, as the run check's pins
     for layer in layers:
         if isinstance(layer, keras.layers.InputLayer):
             continue
@@ -310,6 +325,15 @@ def plan(
         if entry is not None:
             reason = entry.__name__ if isinstance(entry, type) else repr(entry)
             wanted.append((layer, f"keep_fp32 {reason}"))
+            note = normalization.plan_note(layer, where[id(layer)], policy.compute_dtype)
+            if note:
+                result.notes.append(note)
+        elif layer is not model and adds_loss_in_call(layer):
+            added_loss.append((layer, LOSS_REASON))
+        elif layer is not model and updates_state_in_call(layer):
+            added_loss.append((layer, UPDATE_REASON))
+        elif (reason := user_pin(layer)) is not None and layer is not model:
+            wanted.append((layer, reason))  # the user's own float32 choice
         elif source_low and layer.compute_dtype == "float32" and layer.quantization_mode is None:
             wanted.append((layer, "float32 in the source model"))
     wanted += list(extra)
@@ -365,7 +389,7 @@ def plan(
         result.pins.append(pin)
         float32_ids.add(key)
         float32_ids.update(id(s) for s in layer._flatten_layers(include_self=False))
-    for layer, reason in exact:
+    for layer, reason in [*exact, *added_loss]:
         if id(layer) in float32_ids or id(layer) not in where or inside_another(layer):
             continue
         note = ALONE if sublayers(layer) else ""

@@ -7,9 +7,11 @@
 - `backend_logs`: TensorFlow's C++ log lines filtered while it loads.
 - `quiet`: warnings keras_mp knows to be harmless, silenced where they arise.
 - `extras`: optional dependencies and the install command that brings each.
+- `source_handles`: a converted copy's weak references to the source model's layers, read
+  by the compile patch.
 
 Nothing is imported here: `patches` must run before Keras loads (it sets TensorFlow's log
 level), and importing `keras_internals` imports Keras.
 """
 
-__all__ = ["backend_logs", "extras", "keras_internals", "patches", "quiet"]
+__all__ = ["backend_logs", "extras", "keras_internals", "patches", "quiet", "source_handles"]

@@ -39,6 +39,7 @@ __all__ = [
     "get_input_signature",
     "get_keras_mask",
     "global_state",
+    "in_safe_mode",
     "in_stateless_scope",
     "initial_epoch",
     "jax_nn",
@@ -92,6 +93,8 @@ _PLACES: dict[str, tuple[str, ...]] = {
     "jax_nn": ("keras.src.backend.jax.ops.nn:", "keras.src.backend.jax.nn:"),
     "get_input_signature": ("keras.src.export.export_utils:get_input_signature",),
     "make_input_spec": ("keras.src.export.export_utils:make_input_spec",),
+    # None outside `deserialize_keras_object` (unless unsafe deserialization is enabled).
+    "in_safe_mode": ("keras.src.saving.serialization_lib:in_safe_mode",),
 }
 
 
@@ -190,6 +193,7 @@ StatelessScope = _find("StatelessScope")
 in_stateless_scope = _find("in_stateless_scope")
 get_input_signature = _find("get_input_signature")
 make_input_spec = _find("make_input_spec")
+in_safe_mode = _find("in_safe_mode")
 
 
 def untracked_optimizer_variables(optimizer, exclude=()) -> list:

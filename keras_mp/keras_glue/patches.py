@@ -17,6 +17,17 @@ converted or not:
 - `Layer.from_config` makes each layer with the global dtype policy set to its saved
   dtype, so the sublayers a custom layer makes in `__init__` load in its dtype, not in
   float32 beside a float16 parent (`keras_mp.saving.sublayer_dtypes`).
+- `Layer.__init__` notes on a layer a float32 dtype its maker chose: float32 under a low
+  global policy, which `kmp.convert` keeps (its plan says "set by the user"), or
+  `dtype="float32"` under a float32 one, which `convert`'s warning names
+  (`keras_mp.keep_list.user_pins`). The layer is made as before.
+- `keras.layers.Normalization.adapt` gathers its statistics in float32 where the layer
+  computes in float16/bfloat16 (Keras' own fails there on a dataset), and warns when the
+  data reach past the compute dtype's range, naming `dtype="float32"`
+  (`keras_mp.numerics.normalization_adapt`).
+- `Layer.add_loss` casts a float16/bfloat16 loss to float32, and Keras' built-in
+  regularizers compute from float32: `model.losses` is float32 under every policy
+  (`keras_mp.numerics.added_losses`).
 - on TensorFlow, `tf.distribute`'s collective broadcasts send the bfloat16, int8 and uint8
   values TensorFlow refuses as float32/int32 (`keras_mp.tf.distribute`); others untouched.
 - where keras_mp is what imports TensorFlow and `TF_CPP_MIN_LOG_LEVEL` is unset, it is set
@@ -104,7 +115,10 @@ def install() -> None:
     `KERAS_MP_NO_PATCH` is set."""
     import keras
 
+    import keras_mp.keep_list.user_pins as user_pins
     import keras_mp.lean.ema as lean_ema
+    import keras_mp.numerics.added_losses as added_losses
+    import keras_mp.numerics.normalization_adapt as normalization_adapt
     import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
     import keras_mp.scaling.autoscale as autoscale
     import keras_mp.scaling.optimizer_guard as optimizer_guard
@@ -113,6 +127,9 @@ def install() -> None:
     optimizer_guard.install()
     lean_ema.install()
     sublayer_dtypes.install()
+    user_pins.install()
+    normalization_adapt.install()
+    added_losses.install()
     if keras.backend.backend() == "tensorflow":
         from keras_mp.tf.distribute import widen_collective_broadcasts
 
@@ -122,10 +139,16 @@ def install() -> None:
 def uninstall() -> None:
     """Gives Keras back its own `Model.compile` and optimizers' `apply`/`stateless_apply`;
     idempotent. Models compiled before keep the optimizer they were given."""
+    import keras_mp.keep_list.user_pins as user_pins
     import keras_mp.lean.ema as lean_ema
+    import keras_mp.numerics.added_losses as added_losses
+    import keras_mp.numerics.normalization_adapt as normalization_adapt
     import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
     from keras_mp.keras_glue.keras_internals import BaseOptimizer, Trainer
 
+    added_losses.uninstall()
+    user_pins.uninstall()
+    normalization_adapt.uninstall()
     lean_ema.uninstall()
     sublayer_dtypes.uninstall()
     compile_ = Trainer.compile
@@ -139,9 +162,13 @@ def uninstall() -> None:
 
 def installed() -> dict:
     """What is installed now: `{"compile": bool, "optimizer_apply": bool,
-    "collective_broadcasts": bool or None, "clone_model": bool, "sublayer_dtypes": bool}`
+    "collective_broadcasts": bool or None, "clone_model": bool, "sublayer_dtypes": bool,
+    "user_pins": bool, "normalization_adapt": bool, "added_losses": bool}`
     (None: TensorFlow is not imported)."""
+    import keras_mp.keep_list.user_pins as user_pins
     import keras_mp.lean.ema as lean_ema
+    import keras_mp.numerics.added_losses as added_losses
+    import keras_mp.numerics.normalization_adapt as normalization_adapt
     import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
     from keras_mp.keras_glue.keras_internals import BaseOptimizer, Trainer
 
@@ -153,6 +180,9 @@ def installed() -> dict:
         "collective_broadcasts": None,
         "clone_model": lean_ema.installed(),
         "sublayer_dtypes": sublayer_dtypes.installed(),
+        "user_pins": user_pins.installed(),
+        "normalization_adapt": normalization_adapt.installed(),
+        "added_losses": added_losses.installed(),
     }
     if "tensorflow" in sys.modules and sys.modules["tensorflow"] is not None:
         from tensorflow.python.ops import collective_ops

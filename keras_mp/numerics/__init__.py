@@ -7,6 +7,8 @@
 - `losses`: the cross-entropies, float32 math always (`kmp.losses`); `label_range`: their
   check of class labels against the predictions' range.
 - `recast`: variables re-created in another dtype, float32 statistics.
+- `added_losses`: `add_loss` and Keras' built-in regularizers give float32 (a patch).
+- `normalization_adapt`: `Normalization.adapt` in float32 under a low compute dtype (a patch).
 
 `kmp.layers`, `kmp.activations` and `kmp.losses` are these modules; `keras_mp.layers`,
 `keras_mp.activations` and `keras_mp.losses` (the paths before the regroup, issue 53) name them.
@@ -15,4 +17,13 @@ Nothing is imported here: the backend parts these modules call (`keras_mp.tf.act
 `keras_mp.tf.normalization`) import `gelu_math` back, and importing one island needs no other.
 """
 
-__all__ = ["activations", "gelu_math", "label_range", "layers", "losses", "recast"]
+__all__ = [
+    "activations",
+    "added_losses",
+    "gelu_math",
+    "label_range",
+    "layers",
+    "losses",
+    "normalization_adapt",
+    "recast",
+]

@@ -28,9 +28,11 @@ def recast_variables(model: keras.Model, trainable_only: bool = False) -> int:
 
     Args:
         model: A built model.
-        trainable_only: recast only trainable variables (`lean_bfloat16`: statistics such
-            as BatchNormalization's moving mean and variance stay float32, their slow
-            averages would stall in bfloat16).
+        trainable_only: recast only the variables their layer made trainable, frozen or
+            not (`lean_bfloat16`: statistics such as BatchNormalization's moving mean and
+            variance stay float32, their slow averages would stall in bfloat16; a frozen
+            base's kernels become bfloat16 as its layers compute, and train as lean
+            weights once unfrozen).
 
     Returns:
         The number of variables recast.
@@ -38,12 +40,13 @@ def recast_variables(model: keras.Model, trainable_only: bool = False) -> int:
     count = 0
     for layer in model._flatten_layers(include_self=True):
         want = layer.variable_dtype
+        weights = {id(v) for v in layer._trainable_variables}  # frozen ones included
         for variable in own_variables(layer):
             if not keras.backend.is_float_dtype(variable.dtype) or variable.dtype == want:
                 continue
-            if trainable_only and not variable.trainable:
+            if trainable_only and id(variable) not in weights:
                 continue
-            _recast(variable, want)
+            _recast(variable, want, weight=id(variable) in weights)
             count += 1
     return count
 
@@ -53,9 +56,10 @@ def float32_statistics(model: keras.Model) -> int:
     statistics) in float32, in place, the `Variable` objects kept. Returns how many."""
     count = 0
     for layer in model._flatten_layers(include_self=True):
-        for variable in own_variables(layer):
+        # statistics are made non-trainable; a frozen layer's weights are not statistics
+        for variable in layer._non_trainable_variables:
             dtype = keras.backend.standardize_dtype(variable.dtype)
-            if variable.trainable or dtype not in ("float16", "bfloat16"):
+            if dtype not in ("float16", "bfloat16"):
                 continue
             _recast(variable, "float32")
             count += 1
@@ -81,10 +85,19 @@ def host_value(x) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(value))
 
 
-def _recast(variable, want: str) -> None:
+def _recast(variable, want: str, weight: bool = False) -> None:
     if getattr(variable, "_value", True) is None and getattr(variable, "_initializer", None):
         variable._dtype = want  # unmaterialised (a StatelessScope without initialisation)
         return
     value = keras.ops.cast(host_value(variable), want)
     variable._dtype = want
-    variable._initialize(variable._convert_to_tensor(value, dtype=want))
+    # A weight of a frozen layer is re-made as trainable as it was made: TensorFlow's tape
+    # watches only variables made trainable, and unfreezing sets Keras' flag alone.
+    frozen = weight and not variable.trainable
+    if frozen:
+        variable.trainable = True
+    try:
+        variable._initialize(variable._convert_to_tensor(value, dtype=want))
+    finally:
+        if frozen:
+            variable.trainable = False

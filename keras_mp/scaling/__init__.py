@@ -8,6 +8,8 @@
 - `autoscale`: the compile-time choice (`compile()` under a keras_mp policy gets a scaler).
 - `optimizer_guard`: the one-time check that an unwrapped optimizer does not update float16
   or lean bfloat16 weights.
+- `compile_warnings`: what compile says once per model (Keras' pure policies, low outputs,
+  a converted copy whose source's layers were unfrozen).
 
 The names below are read from `loss_scale` on first use, not imported here: the backend step
 (`keras_mp.tf.loss_scale_apply`) and `keras_mp.lean` import this package's rule and

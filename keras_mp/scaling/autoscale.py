@@ -42,6 +42,7 @@ import warnings
 
 import keras
 
+import keras_mp.scaling.compile_warnings as compile_warnings
 from keras_mp.keras_glue.keras_internals import DotNotTrackScope, Trainer
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
 def _runs_float16(model) -> bool:
     """The model, or one of its layers, computes in float16 with float32 variables."""
     for layer in model._flatten_layers(include_self=True):
+        if isinstance(layer, keras.layers.InputLayer):
+            continue  # computes nothing: its policy is where the model was built
         if (layer.compute_dtype, layer.variable_dtype) == ("float16", "float32"):
             return True
     return False
@@ -167,6 +170,7 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
     opt = getattr(model, "optimizer", None)
     if opt is None or isinstance(opt, LeanOptimizer):
         return
+    compile_warnings.warn_once(model, lean=wants_lean_optimizer(model), stacklevel=4)
     if not optimizer_passed and type(model).train_step is not keras.Model.train_step:
         # `super().compile()` in a GAN's own `compile`: Keras' default "rmsprop", which the
         # user never wrote and the model's own `train_step` need not use. The optimizers
