@@ -120,6 +120,9 @@ def _keras_mp_policy(model) -> bool:
 def low_outputs_message(model: keras.Model) -> str | None:
     """A warning for a Functional/Sequential model under Keras' own policy whose outputs
     come out in float16 or bfloat16, else None (a converted model casts them to float32)."""
+    policy = model.dtype_policy
+    if type(policy) is not keras.DTypePolicy or policy.compute_dtype == "float32":
+        return None  # not built under Keras' own low policy (a converted model, a map)
     try:
         outputs = keras.tree.flatten(model.outputs or [])
     except (AttributeError, ValueError):
