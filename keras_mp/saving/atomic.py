@@ -195,12 +195,15 @@ def save_model(
 
     >>> kmp.saving.save_model(model, "run/last.keras")  # doctest: +SKIP
     """
+    import keras_mp.load_plan as load_plan
+
     filepath = os.fspath(filepath)
-    if _is_remote(filepath):
-        model.save(filepath, overwrite=overwrite, **kwargs)
-        return
-    with atomic_path(filepath, overwrite=overwrite) as tmp:
-        model.save(tmp, overwrite=True, **kwargs)
+    with load_plan.scope():  # a converted Functional model's config keeps its plan
+        if _is_remote(filepath):
+            model.save(filepath, overwrite=overwrite, **kwargs)
+            return
+        with atomic_path(filepath, overwrite=overwrite) as tmp:
+            model.save(tmp, overwrite=True, **kwargs)
 
 
 def save_weights(model: keras.Model, filepath: str | os.PathLike, overwrite: bool = True) -> None:

@@ -22,7 +22,9 @@ from typing import Any
 import keras
 from keras import ops
 
+import keras_mp.load_plan as load_plan
 import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
+from keras_mp.load_plan import reapply_plan
 from keras_mp.saving.atomic import save_model, save_weights
 
 __all__ = ["load_model", "load_weights", "reapply_plan", "save_model", "save_weights"]
@@ -105,47 +107,6 @@ def _check_archive(filepath: str, custom_objects: dict | None) -> dict | None:
     return config
 
 
-def _restore_container_policies(model: keras.Model, config: dict) -> int:
-    """Gives nested Sequential/functional models the dtype policy their config saved.
-
-    `Sequential.from_config` (and a functional model's) ignores the saved `dtype`, so a
-    converted model's nested blocks (ConvNeXt's stem and downsampling Sequentials) come
-    back labelled with the global policy while their layers keep the saved one.
-
-    Returns:
-        How many nested models got their saved policy back.
-    """
-    restored = 0
-
-    def walk(parent, parent_config):
-        nonlocal restored
-        sublayers = (parent_config.get("config") or {}).get("layers")
-        if not isinstance(sublayers, list) or not hasattr(parent, "get_layer"):
-            return
-        for sub in sublayers:
-            inner = sub.get("config") if isinstance(sub, dict) else None
-            if not isinstance(inner, dict) or not isinstance(inner.get("name"), str):
-                continue
-            try:
-                child = parent.get_layer(inner["name"])
-            except ValueError:
-                continue
-            if not isinstance(child, keras.Model):
-                continue
-            saved = inner.get("dtype")
-            if isinstance(saved, (dict, str)) and not isinstance(
-                child.dtype_policy, keras.dtype_policies.DTypePolicyMap
-            ):
-                policy = keras.dtype_policies.get(saved)
-                if policy.name != child.dtype_policy.name:
-                    child.dtype_policy = policy
-                    restored += 1
-            walk(child, sub)
-
-    walk(model, config)
-    return restored
-
-
 def load_model(
     filepath: str | os.PathLike,
     custom_objects: dict | None = None,
@@ -161,9 +122,11 @@ def load_model(
     the file and the problem. A successful check then defers to Keras, each layer made
     with the global dtype policy set to its saved dtype (`keras_mp.saving.sublayer_dtypes`:
     sublayers a custom layer makes in `__init__` take the global policy, not their
-    parent's; float32 beside a float16 parent failed); nested
-    Sequential and functional models then get back the dtype policy their config saved
-    (Keras gives them the global one, while their layers keep the saved one).
+    parent's; float32 beside a float16 parent failed); the model and its nested
+    Sequential and functional models get back the dtype policy their config saved
+    (Keras gives them the global one, while their layers keep the saved one), and a
+    `kmp.convert` model its precision plan: its boundary and output casts, the graph
+    nodes that take token ids uncast, keras_mp's kernels (`keras_mp.load_plan`).
 
     Args:
         filepath: Path to a `.keras` file (other paths go straight to Keras).
@@ -180,74 +143,15 @@ def load_model(
     """
     filepath = os.fspath(filepath)
     config = _check_archive(filepath, custom_objects)
-    with sublayer_dtypes.scope():
+    with sublayer_dtypes.scope(), load_plan.scope():
         model = keras.models.load_model(
             filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
         )
-    if config is not None:
-        _restore_container_policies(model, config)
-    reapply_plan(model)
+    if not load_plan.applied(model):  # a model with its own from_config (keras_hub's)
+        if config is not None:
+            load_plan.restore_container_policies(model, config)
+        reapply_plan(model)
     return model
-
-
-def reapply_plan(model: keras.Model) -> bool:
-    """Gives a loaded `kmp.convert` model back what its saved policy map cannot hold.
-
-    Keras resolves a `DTypePolicyMap` only for layers with a path, and a loaded keras_hub
-    model rebuilds its blocks' sublayers as stock layers: the pins of path-less sublayers
-    (the softmax inside a keras_hub `MultiHeadAttention`) and keras_mp's fused layer-norm and
-    GELU kernels are not in the file. The map's default policy carries the keep-list, so
-    the plan is made again on the loaded model and applied. Models not made by
-    `kmp.convert` are left as they are.
-
-    Args:
-        model: A loaded model.
-
-    Returns:
-        True if the model was made by `kmp.convert` and the plan was applied.
-    """
-    import keras_mp.keep_list as keep_list
-    import keras_mp.policies as policies
-    from keras_mp.conversion.converter import apply_plan, saved_by_a_graph
-
-    maps = [
-        x.dtype_policy
-        for x in model._flatten_layers(include_self=True)
-        if isinstance(x, keras.Model)
-        and isinstance(x.dtype_policy, keras.dtype_policies.DTypePolicyMap)
-        and isinstance(x.dtype_policy.default_policy, policies.Policy)
-    ]
-    if not maps:
-        return False
-    layers, parents = keep_list.layer_tree(model)
-    saved = [  # pins the file holds (in the map, or in a layer's own config) stay
-        (x, "pinned in the saved model")
-        for x in layers
-        if x.path
-        and x.compute_dtype == "float32"
-        and not isinstance(x, keras.layers.InputLayer)
-        # A layer neither in the map nor in a graph's config got the global policy from a
-        # model that does not pass its dtype on (keras_hub's SmolLM3): not a saved pin.
-        and (
-            isinstance(x.dtype_policy, keras.dtype_policies.DTypePolicyMap)
-            or saved_by_a_graph(x, parents, model)
-        )
-    ]
-    # A pin of a layer's own math only (the run check's, calibration's tight pins) saved
-    # its sublayers' low policies: it stays alone, so that sublayers without a path yet
-    # (built by their first call, as keras_hub's RWKV-7 `TimeShift`) keep the low dtype.
-    alone, keep = [], []
-    for pin in saved:
-        (alone if _pinned_alone(pin[0]) else keep).append(pin)
-    pmap = maps[0]
-    apply_plan(model, keep_list.plan(model, pmap.default_policy, keep=keep, exact=alone), pmap)
-    return True
-
-
-def _pinned_alone(layer: keras.layers.Layer) -> bool:
-    """Whether a loaded float32 layer has a sublayer with a path in a low dtype."""
-    inner = [x for x in layer._flatten_layers(include_self=False) if x.path]
-    return any(x.compute_dtype != "float32" for x in inner)
 
 
 def _state_variables(model: keras.Model) -> list:

@@ -12,8 +12,10 @@ to its own saved dtype and restored afterwards (Keras' global policy is per thre
 layer saved with a `DTypePolicyMap` (a keras_hub model) or a quantized policy, or with no
 dtype, is made as before; layers that pass their dtype on (Keras' own) are unaffected.
 `install()` (done by `import keras_mp`, `keras_mp/keras_glue/patches.py`) makes plain
-`keras.saving.load_model` and `keras.models.clone_model` do it; `scope()` does it for one
-load (`kmp.saving.load_model` uses it, so it works with `KERAS_MP_NO_PATCH=1` too).
+`keras.saving.load_model` and `keras.models.clone_model` do it, and installs
+`keras_mp.load_plan` (a converted Functional model saves its precision plan and gets it
+back on load); `scope()` does it for one load (`kmp.saving.load_model` uses it, so it works
+with `KERAS_MP_NO_PATCH=1` too).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import contextlib
 import functools
 
 import keras
+
+import keras_mp.load_plan as load_plan
 
 __all__ = ["install", "installed", "scope", "uninstall"]
 
@@ -62,23 +66,31 @@ def _wrap(inherited):
     return from_config
 
 
+def _layer_installed() -> bool:
+    own = getattr(vars(keras.layers.Layer).get("from_config"), "__func__", None)
+    return bool(getattr(own, _FLAG, False))
+
+
 def installed() -> bool:
-    """Whether `keras.layers.Layer.from_config` makes sublayers in their parent's dtype."""
-    return bool(getattr(vars(keras.layers.Layer).get("from_config"), "__func__", None) and
-                getattr(keras.layers.Layer.from_config.__func__, _FLAG, False))
+    """Whether `keras.layers.Layer.from_config` makes sublayers in their parent's dtype
+    (and `keras_mp.load_plan` is installed)."""
+    return _layer_installed() and load_plan.installed()
 
 
 def install() -> None:
-    """Wraps `keras.layers.Layer.from_config` (see the module's docstring); idempotent."""
-    if installed():
-        return
-    layer = keras.layers.Layer
-    keras.layers.Layer.from_config = classmethod(_wrap(layer.from_config.__func__))
+    """Wraps `keras.layers.Layer.from_config` (see the module's docstring) and installs
+    `keras_mp.load_plan`; idempotent."""
+    load_plan.install()
+    if not _layer_installed():
+        inherited = keras.layers.Layer.from_config.__func__
+        keras.layers.Layer.from_config = classmethod(_wrap(inherited))
 
 
 def uninstall() -> None:
-    """Gives `keras.layers.Layer` back the `from_config` it inherits; idempotent."""
-    if installed():
+    """Gives `keras.layers.Layer` back the `from_config` it inherits and uninstalls
+    `keras_mp.load_plan`; idempotent."""
+    load_plan.uninstall()
+    if _layer_installed():
         inherited = keras.layers.Layer.from_config.__func__.__wrapped__
         del keras.layers.Layer.from_config
         if keras.layers.Layer.from_config.__func__ is not inherited:  # it had its own
