@@ -15,9 +15,13 @@ outputs were no longer float32. `install()` closes that:
 
 - `Functional.get_config` writes the model's `dtype` when it is a keras_mp plan (a map
   whose default is a `kmp.Policy`); other models' configs are unchanged;
-- `Model.from_config` (Functional) and `Sequential.from_config` give the model the map its
-  config saved, nested Sequential/Functional models the policy theirs saved, and the
-  outermost model its plan again (`reapply_plan`).
+- `Model.from_config` (Functional and subclassed models) and `Sequential.from_config` make
+  the model's layers with the plan's base policy as the global one, so that a layer whose
+  `get_config` omits its `dtype` (the keras.io subclassing guide's first version) and the
+  sublayers it makes in `__init__` load in the dtype `convert` gave them, not in float32
+  (under `"lean_bfloat16"` its float32 variables no longer matched the saved optimizer
+  state); then they give the model the map its config saved, nested Sequential/Functional
+  models the policy theirs saved, and the outermost model its plan again (`reapply_plan`).
 
 `keras_mp.sublayer_dtypes.install()` installs it (so `import keras_mp` does: plain
 `keras.saving.load_model` gets the plan back); `kmp.saving.load_model` and
@@ -205,11 +209,16 @@ def _wrap_from_config(inherited):
     @functools.wraps(inherited)
     def from_config(cls, config, custom_objects=None):
         original = {"config": dict(config)} if isinstance(config, dict) else None
+        plan = saved_plan(config)
+        previous = keras.config.dtype_policy()
+        if plan is not None:  # what `convert` gave a layer that is not pinned
+            keras.config.set_dtype_policy(plan.default_policy.base)
         _depth.n = getattr(_depth, "n", 0) + 1
         try:
             model = inherited(cls, config, custom_objects=custom_objects)
         finally:
             _depth.n -= 1
+            keras.config.set_dtype_policy(previous)
         if original is None or not isinstance(model, keras.Model):
             return model
         restore_container_policies(model, original)

@@ -17,6 +17,7 @@ Float32 weights are updated exactly; only their moments are compressed.
 
 from __future__ import annotations
 
+import collections
 import os
 
 import keras
@@ -278,22 +279,38 @@ class LeanOptimizer(LeanState, LeanStep, keras.optimizers.Optimizer):
 
     def load_own_variables(self, store):
         """Keras' loading, with a clear error where Keras would skip the state with a
-        warning: a file whose optimizer holds a different number of variables (its small
-        variables' state packed or not: `pack_small`, the distribution it was built under)."""
+        warning: a file whose optimizer holds a different number of variables (the model's
+        variables differ from the saved model's, or its small variables' state was packed
+        otherwise: `pack_small`, the distribution it was built under). A file saved before
+        the first step (compiled, never trained) holds only the step count and learning
+        rate: they are loaded and the state starts fresh, as it would have."""
         saved = len(store.keys())
         if saved and self.built and saved == len(self.variables) - 1:
             # written before the skip counter (the last variable) existed: it starts at 0
             for i, variable in enumerate(self.variables[:-1]):
                 variable.assign(store[str(i)])
             return
+        if saved and self.built and saved == getattr(self, "_unbuilt_count", None):
+            for i, variable in enumerate(self.variables[:saved]):
+                variable.assign(store[str(i)])
+            return
         if saved and self.built and saved != len(self.variables):
+            dtypes = collections.Counter(
+                keras.backend.standardize_dtype(v.dtype) for v in self._trainable_variables
+            )
+            here = ", ".join(f"{n} {d}" for d, n in sorted(dtypes.items()))
             raise ValueError(
                 f"LeanOptimizer {self.name!r}: the file's optimizer state has {saved} "
-                f"variables, this optimizer {len(self.variables)}: its state is laid out "
-                "differently. The small variables' state is packed (pack_small="
-                f"{self.pack_small}) unless shard_over_data is set or a variable is split "
-                "across devices (ModelParallel); build the optimizer as the saved one was "
-                "(the same pack_small and distribution) to load it."
+                f"variables, this optimizer {len(self.variables)} (built for the model's "
+                f"{len(self._trainable_variables)} trainable variables: {here}): the state "
+                "was laid out for other variables or settings. Most often a layer loaded in "
+                "another dtype than it was saved in: a custom layer whose get_config() "
+                "omits its dtype loads in float32 (take **kwargs in __init__, pass them to "
+                "super().__init__(**kwargs), and return {**super().get_config(), ...} from "
+                "get_config()). Otherwise the small variables' state was packed differently "
+                f"(pack_small={self.pack_small} here; not packed under shard_over_data or "
+                "for a variable split across devices): build the optimizer as the saved one "
+                "was."
             )
         super().load_own_variables(store)
 

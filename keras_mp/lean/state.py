@@ -94,6 +94,7 @@ class LeanState:
     def build(self, var_list):
         if self.built:
             return
+        self._unbuilt_count = len(self.variables)  # what a file saved before any step holds
         super().build(var_list)
         self._slots = []
         small = []  # (index, Static) of the variables whose state is packed

@@ -107,6 +107,32 @@ def _check_archive(filepath: str, custom_objects: dict | None) -> dict | None:
     return config
 
 
+def _dtypeless_layers(config: Any) -> list[str]:
+    """The names of the custom layers whose saved config has no `dtype` (their
+    `get_config` does not call `super().get_config()`)."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            inner = node.get("config")
+            if (
+                isinstance(inner, dict)
+                and isinstance(node.get("registered_name"), str)
+                and ">" in node["registered_name"]
+                and "dtype" not in inner
+                and "build_config" in node
+            ):
+                found.append(node.get("name") or inner.get("name") or node["registered_name"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(config)
+    return found
+
+
 def load_model(
     filepath: str | os.PathLike,
     custom_objects: dict | None = None,
@@ -143,10 +169,22 @@ def load_model(
     """
     filepath = os.fspath(filepath)
     config = _check_archive(filepath, custom_objects)
-    with sublayer_dtypes.scope(), load_plan.scope():
-        model = keras.models.load_model(
-            filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
-        )
+    try:
+        with sublayer_dtypes.scope(), load_plan.scope():
+            model = keras.models.load_model(
+                filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
+            )
+    except (ValueError, TypeError) as e:
+        dtypeless = _dtypeless_layers(config)
+        if not dtypeless:
+            raise
+        raise type(e)(
+            f"{e}\n\n{filepath!r} holds layers saved without their dtype: {dtypeless} (their "
+            "get_config() omits it, so they load with the global dtype policy, not the one "
+            "they were saved in; the saved optimizer state is laid out for the saved "
+            "dtypes). Re-save after giving each of them **kwargs in __init__, passed to "
+            "super().__init__(**kwargs), and {**super().get_config(), ...} in get_config()."
+        ) from e
     if not load_plan.applied(model):  # a model with its own from_config (keras_hub's)
         if config is not None:
             load_plan.restore_container_policies(model, config)
