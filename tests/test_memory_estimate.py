@@ -127,11 +127,56 @@ def test_cli_memory_needs_a_batch_size_for_a_saved_model(tmp_path, capsys):
     assert "--batch-size is needed" in capsys.readouterr().err
 
 
+@jax_only  # on TensorFlow the command reruns under JAX: the slow test below covers it
+def test_cli_memory_sizes_a_compiled_model(tmp_path, capsys):
+    # Keras compiled it from the saved compile config inside the no-variable scope: "You are
+    # attempting to create a variable while in a stateless scope" (exit 2).
+    path = str(tmp_path / "compiled.keras")
+    model = _model(seq=8)
+    model.compile(optimizer="adam", loss="mse")
+    model.save(path)
+    status = main(["memory", path, "--batch-size", "2", "--policies", "float32", "--json"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    row = json.loads(captured.out.strip().splitlines()[-1])["rows"][0]
+    assert row["error"] is None and row["peak_bytes"] > 0
+
+
+def _unreadable(tmp_path, kind):
+    path = tmp_path / "m.keras"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "text":
+        path.write_text("not a model")
+    elif kind == "truncated":
+        _model(seq=8).save(str(tmp_path / "good.keras"))
+        data = (tmp_path / "good.keras").read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "no config":
+        import zipfile
+
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("metadata.json", "{}")
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["directory", "text", "truncated", "no config"])
+def test_cli_memory_unreadable_model_file_is_one_line_and_status_3(tmp_path, capsys, kind):
+    # A truncated file was a BadZipFile traceback with exit status 1 ("does not fit").
+    path = _unreadable(tmp_path, kind)
+    assert main(["memory", path, "--batch-size", "2"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("keras-mp memory: error:") and path in err
+    assert len(err.splitlines()) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.tf_only
 def test_estimate_memory_on_tensorflow_sizes_the_saved_model_under_jax():
+    model = _model(seq=16)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")  # saved compiled
     report = kmp.estimate_memory(
-        _model(seq=16), np.zeros((4, 16), "int32"), policies=("float32", "lean_bfloat16")
+        model, np.zeros((4, 16), "int32"), policies=("float32", "lean_bfloat16")
     )
     assert report["lean_bfloat16"].peak_bytes < report["float32"].peak_bytes
     assert report.batch == [[4, 16]]

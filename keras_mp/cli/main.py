@@ -1,7 +1,8 @@
 """The `keras-mp` command line: `compare`, `audit`, `bench` and `doctor`.
 
 Every command has `--help`. A bad argument or path prints one line on stderr and exits
-with status 2 (no traceback). Arguments are parsed and checked before Keras is imported
+with status 2 (no traceback); a model file that cannot be read (not a .keras archive,
+truncated, damaged) exits with status 3. Arguments are parsed and checked before Keras is imported
 (`keras_mp.cli.parser`); a command that needs the backend then starts it once, without the
 backend's log lines (`keras_mp.cli.startup`; `--verbose` keeps them).
 """
@@ -90,7 +91,7 @@ def main(argv: list | None = None) -> int:
         name = f"{PROG} {argv[0]}" if argv and command(argv[0]) is not None else PROG
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"{name}: error: {message}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_status", 2)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

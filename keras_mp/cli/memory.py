@@ -7,7 +7,8 @@ policy (weights + optimizer state, temporaries), and whether it fits the device'
 (cnn, mlp, transformer, t5). Runs under JAX (a fresh JAX process if Keras runs another
 backend; without JAX installed it says to `pip install "keras_mp[jax]"`); nothing is
 trained and no weight is materialised where the config rebuilds the model. Exit status:
-0 every policy fits, 1 one does not (or does not compile), 2 bad input or no JAX.
+0 every policy fits, 1 one does not (or does not compile), 2 bad input or no JAX, 3 a
+model file that cannot be read (not a .keras archive, truncated, damaged).
 `keras-mp fit` is the same command under its former name.
 
     keras-mp memory gpt --device benchmarks/h200.txtpb
@@ -20,8 +21,9 @@ import argparse
 import dataclasses
 import json
 import os
-import zipfile
 
+from keras_mp.archive import read_config
+from keras_mp.cli.errors import UnreadableModelError
 from keras_mp.keras_glue.extras import install_command, installed
 
 __all__ = ["DESCRIPTION", "HELP", "MODELS", "add_arguments", "check", "run"]
@@ -34,7 +36,7 @@ DESCRIPTION = (
     "optimizer state, temporaries) and whether it fits the device: exact for a GPU (XLA:GPU's "
     "buffer assignment; --device FILE.txtpb compiles for a GPU description without the GPU), "
     'an estimate on a CPU. Needs JAX (pip install "keras_mp[jax]"). Exit status 0: every '
-    "policy fits; 1: one does not; 2: bad input or no JAX."
+    "policy fits; 1: one does not; 2: bad input or no JAX; 3: an unreadable model file."
 )
 WORKLOAD_MODELS = ("gpt", "resnet50", "cpu_gpt", "cpu_resnet", "tiny_gpt", "tiny_resnet")
 COMPARE_MODELS = ("cnn", "mlp", "transformer", "t5")
@@ -130,10 +132,14 @@ def check(args: argparse.Namespace) -> None:
                 f"MODEL: {args.model!r} is neither a .keras file nor a bundled model "
                 f"({', '.join(MODELS)})"
             )
-        if not os.path.isfile(args.model):
+        if not os.path.exists(args.model):
             raise FileNotFoundError(f"no such model file: {args.model!r}")
         if args.batch_size is None:
             raise ValueError("--batch-size is needed for a .keras model")
+        try:
+            read_config(args.model)
+        except ValueError as e:
+            raise UnreadableModelError(str(e)) from e
     bad = [p for p in args.policies.split(",") if p.strip() not in POLICIES]
     if bad or not args.policies.strip():
         raise ValueError(f"--policies: unknown {bad}; choose from {', '.join(POLICIES)}")
@@ -158,15 +164,25 @@ def check(args: argparse.Namespace) -> None:
 
 
 def _saved_model(path: str):
-    """The model of a .keras file, from its config only: no weight is read or made."""
+    """The model of a .keras file, from its config only (no weight is read or made), and
+    its compiled loss (None if it was not compiled): `(model, loss)`.
+
+    The compile config is read apart: compiling inside `unmaterialised()` would build the
+    optimizer's variables where no variable may be made.
+    """
     import keras
 
     from keras_mp.jax.memory import unmaterialised
 
-    with zipfile.ZipFile(path) as archive:
-        config = json.loads(archive.read("config.json"))
+    config = read_config(path)
+    compiled = config.pop("compile_config", None)
     with unmaterialised():
-        return keras.saving.deserialize_keras_object(config)
+        model = keras.saving.deserialize_keras_object(config)
+    loss = (compiled or {}).get("loss")
+    if loss is not None:
+        loss = keras.saving.deserialize_keras_object(loss)
+        loss = keras.losses.get(loss) if isinstance(loss, str) else loss
+    return model, loss
 
 
 def _bundled(name: str, batch: int | None):
@@ -224,11 +240,11 @@ def run(args: argparse.Namespace) -> int:
     """Prints the report; returns 0 when every policy fits, else 1."""
     from keras_mp.memory.memory_estimate import estimate_memory
 
-    y = None
+    y = loss = None
     if args.model in MODELS:
         model, x, y = _bundled(args.model, args.batch_size)
     else:
-        model = _saved_model(args.model)
+        model, loss = _saved_model(args.model)
         x = _inputs(model, args)
         x = x[0] if len(x) == 1 else x
     report = estimate_memory(
@@ -237,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         y,
         policies=tuple(p.strip() for p in args.policies.split(",")),
         optimizer=args.optimizer,
+        loss=loss,
         device=args.device,
         memory_gib=args.memory_gib,
         headroom_gib=args.headroom_gib,

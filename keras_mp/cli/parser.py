@@ -14,14 +14,11 @@ from collections.abc import Callable
 
 from keras_mp.cli import diff as _diff
 from keras_mp.cli import memory as _memory
+from keras_mp.cli.errors import CLIError
 
 __all__ = ["COMMANDS", "PROG", "CLIError", "Command", "build_parser", "command"]
 
 PROG = "keras-mp"
-
-
-class CLIError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):

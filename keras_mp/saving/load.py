@@ -13,10 +13,8 @@ mid-save leaves the previous file whole.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-import zipfile
 from typing import Any
 
 import keras
@@ -24,6 +22,7 @@ from keras import ops
 
 import keras_mp.load_plan as load_plan
 import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
+from keras_mp.archive import read_config
 from keras_mp.load_plan import reapply_plan
 from keras_mp.saving.atomic import save_model, save_weights
 
@@ -54,32 +53,7 @@ def _check_archive(filepath: str, custom_objects: dict | None) -> dict | None:
         raise FileNotFoundError(f"No such file: {filepath!r}.")
     if os.path.isdir(filepath) or not filepath.endswith(".keras"):
         return None  # Keras' own checks (directory format, wrong extension) are clear.
-    size = os.path.getsize(filepath)
-    if not zipfile.is_zipfile(filepath):
-        raise ValueError(
-            f"{filepath!r} ({size} bytes) is not a valid .keras archive: it is not a zip "
-            "file, or it is truncated (its zip directory is missing). Re-save or re-copy it."
-        )
-    try:
-        with zipfile.ZipFile(filepath) as archive:
-            bad = archive.testzip()
-            names = archive.namelist()
-            raw = archive.read("config.json") if "config.json" in names else None
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
-        raise ValueError(f"{filepath!r} ({size} bytes) is a corrupt .keras archive: {e}") from e
-    if bad is not None:
-        raise ValueError(
-            f"{filepath!r} is a corrupt .keras archive: member {bad!r} fails its CRC check "
-            "(the file was damaged after saving)."
-        )
-    if raw is None:
-        raise ValueError(
-            f"{filepath!r} is not a Keras model archive: it has no config.json (members: {names})."
-        )
-    try:
-        config = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"{filepath!r}: config.json is not valid JSON: {e}") from e
+    config = read_config(filepath)
     custom_objects = custom_objects or {}
     for name, where in _registered_names(config):
         if name in custom_objects or name.split(">", 1)[1] in custom_objects:
