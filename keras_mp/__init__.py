@@ -16,6 +16,11 @@ model.compile(optimizer=opt, loss=kmp.losses.SparseCategoricalCrossentropy(from_
 
 import sys as _sys
 
+from keras_mp.keras_glue.extras import missing_backend as _missing_backend
+
+if "keras" not in _sys.modules and (_why := _missing_backend()):  # Keras' import would fail
+    raise ImportError(f"keras_mp cannot start Keras: {_why}")
+
 # First: it hides TensorFlow's C++ INFO lines if it is keras_mp that imports TensorFlow.
 import keras_mp.keras_glue.patches as patches
 from keras_mp import (

@@ -106,3 +106,39 @@ def test_configured_backend_reads_as_keras_does(tmp_path):
     assert startup.configured_backend({"KERAS_HOME": str(tmp_path)}) == "tensorflow"
     (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch"}))
     assert startup.configured_backend({"KERAS_HOME": str(tmp_path)}) == "torch"
+
+
+# A JAX-only install with KERAS_BACKEND unset: Keras starts TensorFlow, which is missing.
+_IMPORT_WITHOUT_TENSORFLOW = """
+import sys
+sys.modules["tensorflow"] = None
+import keras_mp
+"""
+_BENCH_WITHOUT_TENSORFLOW = """
+import sys
+sys.modules["tensorflow"] = None
+import keras_mp_launcher
+sys.argv = ["keras-mp", "bench", "--models", "tiny_gpt", "--steps", "1"]
+sys.exit(keras_mp_launcher.main())
+"""
+
+
+def test_import_without_the_default_backend_says_to_set_keras_backend(tmp_path):
+    # It was Keras' own 21-line traceback ending in "No module named 'tensorflow'".
+    env = {"KERAS_BACKEND": "", "KERAS_HOME": str(tmp_path)}
+    done = _run(_IMPORT_WITHOUT_TENSORFLOW, env)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: keras_mp cannot start Keras: the Keras backend")
+    assert "KERAS_BACKEND=jax" in last and 'pip install "keras_mp[tensorflow]"' in last
+    assert "keras/src" not in done.stderr  # raised before Keras' import, not inside it
+
+
+def test_bench_without_the_default_backend_is_one_line(tmp_path):
+    # It crashed with a 61-line traceback (its parent process imported Keras).
+    env = {"KERAS_BACKEND": "", "KERAS_HOME": str(tmp_path)}
+    done = _run(_BENCH_WITHOUT_TENSORFLOW, env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("keras-mp bench: error: the Keras backend")
+    assert "--backend jax" in lines[0]

@@ -38,8 +38,9 @@ import subprocess
 import sys
 import time
 
+from keras_mp.cli.jsonl import emit
 from keras_mp.cli.measure import POLICIES, _names, config_env, default_jit, run_one
-from keras_mp.cli.startup import strip_backend_logs
+from keras_mp.cli.startup import check_backend_installed, configured_backend, strip_backend_logs
 from keras_mp.cli.workloads import WORKLOADS
 
 __all__ = [
@@ -287,6 +288,8 @@ def check(args: argparse.Namespace) -> tuple[list, list]:
         _names("policy", args.policies, POLICIES), key=lambda p: order.index(p.split("@")[0])
     )
     _env_pairs(args.env)
+    # each subprocess would die in Keras' import
+    check_backend_installed(backend=None if args.backend == configured_backend() else args.backend)
     if args.in_process and args.backend != os.environ.get("KERAS_BACKEND", "tensorflow"):
         raise ValueError("--in-process runs on this process's backend: set KERAS_BACKEND.")
     return models, policies
@@ -321,8 +324,6 @@ def run_configurations(args: argparse.Namespace, on_start=None, on_row=None) -> 
     Raises:
         ValueError: as `check`, before anything runs.
     """
-    from keras_mp.cli.records import emit  # imports Keras: not at module level
-
     models, policies = check(args)
     rows, start = [], time.monotonic()
     for model_name in models:

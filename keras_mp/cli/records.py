@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import keras
 import numpy as np
 
+from keras_mp.cli.jsonl import emit  # where the harness and the scripts import it from
+
 __all__ = ["EpochRecorder", "emit", "peak_memory", "reset_peak_memory"]
-
-
-def emit(record: dict, out: str | None = None, echo: bool = True) -> None:
-    """Prints `record` as one JSON line (unless `echo=False`) and appends it to the file
-    `out` (if given): the record format of the harness and the benchmark scripts."""
-    line = json.dumps(record)
-    if echo:
-        print(line, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def reset_peak_memory(tf_device: str = "GPU") -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -117,44 +116,27 @@ def _list_devices(backend: str) -> None:
 
 
 def configured_backend(environ=None) -> str:
-    """The backend Keras will start, read as Keras reads it, without importing Keras:
-    `KERAS_BACKEND`, else `keras.json`'s `"backend"` (in `KERAS_HOME` or `~/.keras`),
-    else `"tensorflow"`."""
-    environ = os.environ if environ is None else environ
-    if environ.get("KERAS_BACKEND"):
-        return environ["KERAS_BACKEND"]
-    home = environ.get("KERAS_HOME")
-    if not home:
-        base = os.path.expanduser("~")
-        home = os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
-    try:
-        with open(os.path.join(home, "keras.json")) as f:
-            return str(json.load(f).get("backend") or "tensorflow")
-    except (OSError, ValueError, AttributeError):
-        return "tensorflow"
+    """The backend Keras will start (`keras_mp.keras_glue.extras.configured_backend`)."""
+    from keras_mp.keras_glue.extras import configured_backend as configured
+
+    return configured(environ)
 
 
-def check_backend_installed(environ=None) -> None:
+def check_backend_installed(environ=None, backend: str | None = None) -> None:
     """Raises `ValueError` (one line: what to install, or `--backend` to pass) when the
-    backend Keras would start is not installed; nothing when Keras is already imported.
+    backend Keras would start (or `backend`, a `--backend` value) is not installed;
+    nothing when Keras is already imported.
 
     keras_mp installs no backend of its own (TensorFlow and JAX are its extras), so
     `keras-mp compare` after `pip install keras_mp` alone would die in Keras' import.
     """
-    if "keras" in sys.modules:
+    if "keras" in sys.modules and backend is None:
         return
-    from keras_mp.keras_glue.extras import install_command, installed
+    from keras_mp.keras_glue.extras import missing_backend
 
-    environ = os.environ if environ is None else environ
-    name = configured_backend(environ)
-    if installed(name):
-        return
-    others = [b for b in ("tensorflow", "jax", "torch") if b != name and installed(b)]
-    source = "KERAS_BACKEND" if environ.get("KERAS_BACKEND") else "Keras' default"
-    message = f"the Keras backend {name!r} ({source}) is not installed: {install_command(name)}"
-    if others:
-        message += f", or use the installed {others[0]}: --backend {others[0]}"
-    raise ValueError(message)
+    message = missing_backend(backend, environ, flag="--backend")
+    if message:
+        raise ValueError(message)
 
 
 def start(verbose: bool = False) -> str:

@@ -21,8 +21,18 @@ require("jax", "kmp.estimate_memory")   # raises MissingExtraError when JAX is a
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 
-__all__ = ["EXTRAS", "MissingExtraError", "install_command", "installed", "require"]
+__all__ = [
+    "EXTRAS",
+    "MissingExtraError",
+    "configured_backend",
+    "install_command",
+    "installed",
+    "missing_backend",
+    "require",
+]
 
 # module -> the keras_mp extra that installs it
 EXTRAS = {"jax": "jax", "tensorflow": "tensorflow"}
@@ -76,3 +86,58 @@ def require(module: str, feature: str) -> None:
         + (f" ({hint})." if hint else "."),
         name=module,
     )
+
+
+def configured_backend(environ=None) -> str:
+    """The backend Keras will start, read as Keras reads it, without importing Keras:
+    `KERAS_BACKEND`, else `keras.json`'s `"backend"` (in `KERAS_HOME` or `~/.keras`),
+    else `"tensorflow"`."""
+    environ = os.environ if environ is None else environ
+    if environ.get("KERAS_BACKEND"):
+        return environ["KERAS_BACKEND"]
+    home = environ.get("KERAS_HOME")
+    if not home:
+        base = os.path.expanduser("~")
+        home = os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            return str(json.load(f).get("backend") or "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+def missing_backend(backend: str | None = None, environ=None, flag: str = "KERAS_BACKEND"):
+    """Why Keras cannot start `backend` (default: the configured one), in one line, or None.
+
+    keras_mp installs no backend of its own, so after `pip install "keras_mp[jax]"` Keras
+    still starts TensorFlow unless `KERAS_BACKEND` says otherwise, and dies in its import.
+
+    Args:
+        backend: the backend asked for, or None for `configured_backend(environ)`.
+        environ: the environment (default `os.environ`).
+        flag: how the user chooses the backend, named in the message (`--backend` on the
+            command line).
+
+    Returns:
+        None when it is installed, else a message naming what to set or install.
+    """
+    environ = os.environ if environ is None else environ
+    name = backend or configured_backend(environ)
+    if installed(name):
+        return None
+    if backend is not None:
+        source = flag
+    elif environ.get("KERAS_BACKEND"):
+        source = "KERAS_BACKEND"
+    elif name != "tensorflow":
+        source = "keras.json"
+    else:
+        source = "Keras' default: KERAS_BACKEND is unset"
+    others = [b for b in ("jax", "tensorflow", "torch") if b != name and installed(b)]
+    message = f"the Keras backend {name!r} ({source}) is not installed: "
+    if others:
+        value = f"pass {flag} {others[0]}" if flag.startswith("-") else f"set {flag}={others[0]}"
+        message += f"{value} ({others[0]} is installed), or {install_command(name)}"
+    else:
+        message += f"{install_command(name)} (or another backend: jax, torch)"
+    return message + "."
