@@ -212,6 +212,14 @@ def test_scale_never_reaches_zero_or_inf():
     assert int(opt.skipped_steps) == 60
 
 
+def test_loss_scale_before_the_first_step_is_the_initial_scale():
+    # It was an AttributeError: the scale variable is made when the optimizer is built.
+    opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=512.0)
+    assert not opt.built and float(opt.loss_scale) == 512.0
+    opt.build([keras.Variable(np.zeros((2,), "float32"))])
+    assert float(opt.loss_scale) == 512.0 and opt.loss_scale is opt.dynamic_scale
+
+
 def test_static_scale_never_changes_but_still_skips():
     opt = kmp.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=128.0, dynamic=False,
                                  growth_interval=1)

@@ -158,7 +158,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @property
     def loss_scale(self):
-        """The current loss scale (a float32 variable)."""
+        """The current loss scale: a float32 variable once the optimizer is built (by its
+        first step, or `build`), before that the initial scale (a float32 scalar), which
+        the first step uses."""
+        if not self.built:
+            return ops.convert_to_tensor(self.loss_scale_config.initial_scale, "float32")
         return self.dynamic_scale
 
     @property
