@@ -266,3 +266,39 @@ def test_explicit_input_signature_gets_the_serving_dtype(tmp_path):
     y = fn(tf.constant(x))["output_0"]
     assert y.dtype == tf.float32
     np.testing.assert_array_equal(y.numpy(), keras.ops.convert_to_numpy(model(x)).astype("float32"))
+
+
+def _layer_norm_model():
+    inputs = keras.Input((8,))
+    h = keras.layers.LayerNormalization()(keras.layers.Dense(16)(inputs))
+    return kmp.convert(keras.Model(inputs, keras.layers.Dense(2)(h)), "mixed_float16")
+
+
+@pytest.mark.tf_only
+def test_saved_model_of_a_converted_model_has_no_layer_norm_kernel_loops(tmp_path):
+    # keras_mp's fused layer norm (XLA clusters in a loop over blocks of rows) went into the
+    # SavedModel: TFLite failed on its TensorListReserve, inside keras_mp's layer.
+    import tensorflow as tf
+
+    model = _layer_norm_model()
+    model.export(str(tmp_path / "served"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    graph = served.signatures["serving_default"].graph.as_graph_def()
+    ops_used = {n.op for n in graph.node}
+    ops_used |= {n.op for f in graph.library.function for n in f.node_def}
+    assert not ops_used & {"TensorListReserve", "XlaLaunch", "While", "StatelessWhile"}, ops_used
+
+
+@pytest.mark.tf_only
+def test_tflite_converts_the_float32_export(tmp_path):
+    import tensorflow as tf
+
+    model = _layer_norm_model()
+    kmp.export_saved_model(model, str(tmp_path / "served"), compute="float32")
+    flat = tf.lite.TFLiteConverter.from_saved_model(str(tmp_path / "served")).convert()
+    interpreter = tf.lite.Interpreter(model_content=flat)
+    runner = interpreter.get_signature_runner("serving_default")
+    x = np.random.default_rng(0).normal(size=(1, 8)).astype("float32")
+    (got,) = runner(**{runner.get_input_details().popitem()[0]: x}).values()
+    want = keras.ops.convert_to_numpy(model.predict_on_batch(x))
+    np.testing.assert_allclose(got, want, atol=2e-2)  # float16 matmuls vs float32

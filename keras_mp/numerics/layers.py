@@ -301,6 +301,10 @@ class LayerNormalization(keras.layers.LayerNormalization):
         rank = len(inputs.shape)
         if [a % rank for a in self.axis] != [rank - 1]:
             return False
+        from keras_mp.tf.export import writing_a_saved_model
+
+        if writing_a_saved_model():  # serving graphs (and TFLite) take Keras' ops
+            return False
         from keras_mp.tf.normalization import MIN_ELEMENTS
         from keras_mp.tf.xla import worth_a_cluster
 

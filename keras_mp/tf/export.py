@@ -22,11 +22,21 @@ from keras import ops, tree
 from keras_mp.keras_glue.extras import require
 from keras_mp.keras_glue.quiet import ignoring
 
-__all__ = ["export_saved_model", "float32_clone"]
+__all__ = ["export_saved_model", "float32_clone", "writing_a_saved_model"]
 
 _SERVING_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _COMPUTE = ("mixed", "float32")
 _ENDPOINT = "serve"
+
+
+def writing_a_saved_model() -> bool:
+    """Whether TensorFlow is tracing functions into a SavedModel being written (`model.export`,
+    `tf.saved_model.save`, and so `tf.lite.TFLiteConverter.from_keras_model`, which exports
+    first). keras_mp's training kernels (XLA clusters, loops over blocks of rows) take the
+    plain ops there: a serving graph must run without XLA, and TFLite cannot lower them."""
+    from tensorflow.python.saved_model import save_context
+
+    return save_context.in_save_context()
 
 
 def _is_float(dtype: Any) -> bool:
