@@ -7,8 +7,11 @@ the same directory (so the rename stays on one filesystem), named so that Keras 
 extension; when the writer returns, the file is flushed to disk (`fsync`), moved over the
 destination with `os.replace` (atomic on POSIX and Windows) and the directory is flushed
 so the rename itself survives a power cut. Any exception removes the temporary file and
-leaves the destination untouched. Temporary files left by a killed process (the same
-host, a process id no longer running) are removed at the next write to the same path.
+leaves the destination untouched. The old file stays until the new one is complete, so a
+save needs room for both: a full disk (or quota, or file-size limit) is an `OSError` that
+says so, with the path and the bytes needed and free. Temporary files left by a killed
+process (the same host, a process id no longer running) are removed at the next write to
+the same path.
 `save_model` and `save_weights` (also `kmp.saving.save_model` / `save_weights`) are
 `model.save` and `model.save_weights` written this way.
 
@@ -19,10 +22,15 @@ write-to-temporary-then-rename checkpoints.
 from __future__ import annotations
 
 import contextlib
+import errno
+import gc
 import glob
+import io
 import os
 import re
+import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -155,16 +163,93 @@ def atomic_path(filepath: str | os.PathLike, overwrite: bool = True) -> Iterator
     remove_stale(filepath)
     tmp = temp_path(filepath)
     try:
-        yield tmp
+        with _quiet_h5py_write_failures():
+            yield tmp
         if not os.path.isfile(tmp):
             raise FileNotFoundError(f"The writer of {filepath!r} did not write {tmp!r}.")
         _fsync_file(tmp)
         os.replace(tmp, filepath)
+    except OSError as e:
+        written = _size(tmp)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if e.errno in _NO_ROOM:
+            raise _no_room(e, filepath, written) from e
+        raise
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
     _fsync_dir(dirname)
+
+
+# ENOSPC (disk full), EDQUOT (quota), EFBIG (file size limit)
+_NO_ROOM = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _no_room(error: OSError, filepath: str, written: int) -> OSError:
+    """The error of a write that ran out of room, saying what an atomic save needs."""
+    old = _size(filepath)
+    dirname = os.path.dirname(os.path.abspath(filepath))
+    try:
+        free = f"{shutil.disk_usage(dirname).free:,} bytes are free"
+    except OSError:
+        free = "the free space is unknown"
+    if old:
+        need = (
+            f"it writes the new file beside the old one ({old:,} bytes) and replaces the old "
+            f"one only when the new one is complete, so it needs room for two copies: about "
+            f"{old + max(old, written):,} bytes"
+        )
+    else:
+        need = f"it needs room for the whole file (more than the {written:,} bytes written)"
+    return type(error)(
+        error.errno,
+        f"Not enough room to save {filepath!r} ({os.strerror(error.errno)}): an atomic save "
+        f"writes a temporary copy first; {need} in {dirname!r}, where {free}. The previous "
+        "file is untouched and the partial copy was removed. Free some space, or save to "
+        "another disk.",
+    )
+
+
+# What h5py (Cython) prints for each object it frees after a failed write: the traceback
+# (to `sys.stderr`), then "Exception ignored in" (through `sys.unraisablehook`).
+_H5PY_DEALLOC = re.compile(
+    r"Traceback \(most recent call last\):\n  File \"h5py/_objects\.pyx\".*?"
+    r"Can't decrement id ref count \(file write failed:.*?offset = \d+\)\n"
+    r"|Exception ignored in: 'h5py\._objects\.ObjectID\.__dealloc__'\n",
+    re.DOTALL,
+)
+
+
+@contextlib.contextmanager
+def _quiet_h5py_write_failures():
+    """Keeps h5py's tracebacks of a failed write (two per open object, printed as the file's
+    objects are freed, each "ignored") off stderr: the write's own error is raised, and
+    says more. Everything else the writer prints on stderr is printed, after it returns."""
+    previous_hook, previous_stderr = sys.unraisablehook, sys.stderr
+    captured = io.StringIO()
+
+    def hook(unraisable):
+        if "Can't decrement id ref count" not in str(unraisable.exc_value):
+            previous_hook(unraisable)
+
+    sys.unraisablehook, sys.stderr = hook, captured
+    try:
+        yield
+    finally:
+        gc.collect()  # the writer's h5py objects, freed while the filters are on
+        sys.unraisablehook, sys.stderr = previous_hook, previous_stderr
+        rest = _H5PY_DEALLOC.sub("", captured.getvalue())
+        if rest:
+            previous_stderr.write(rest)
 
 
 def _is_remote(filepath: str) -> bool:
