@@ -270,6 +270,41 @@ def test_audit_prints_the_report(tmp_path, capsys):
     assert "random inputs (32 samples), forward checks only" in out.splitlines()[-1]
 
 
+def _legacy_h5(tmp_path):
+    inputs = keras.Input((4,))
+    path = tmp_path / "legacy.h5"
+    keras.Model(inputs, keras.layers.Dense(2)(inputs)).save(path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["directory", "truncated", "wrong width", "npy", "legacy h5"])
+def test_audit_bad_model_or_data_is_one_clear_line(tmp_path, capfd, case):
+    # A directory gave Keras' paragraph on SavedModels after the progress bar, a wrong-width
+    # batch an error from inside the model, a .npy a TypeError traceback.
+    path, npz = _saved_model(tmp_path)
+    argv, status, words = ["audit", str(path), "--no-progress"], 2, []
+    if case == "directory":
+        argv[1], status, words = str(tmp_path), 3, ["is a directory", ".keras"]
+    elif case == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        status, words = 3, ["truncated"]
+    elif case in ("wrong width", "npy", "legacy h5"):
+        bad = tmp_path / ("x.npy" if case == "npy" else "x.npz")
+        x = np.zeros((8, 7), "float32")
+        np.save(bad, x) if case == "npy" else np.savez(bad, x=x)
+        argv += ["--data", str(bad)]
+        if case == "legacy h5":
+            argv[1] = str(_legacy_h5(tmp_path))
+        words = ["--data:", "(8, 7)", "takes (batch, 4" if case == "legacy h5" else "takes (batch"]
+    assert main(argv) == status
+    err = capfd.readouterr().err.strip().splitlines()
+    err = [line for line in err if "keras-mp" in line or "Traceback" in line]
+    assert len(err) == 1 and err[0].startswith("keras-mp audit: error:"), err
+    assert all(w in err[0] for w in words), err[0]
+    assert "\x1b" not in err[0]  # no terminal codes where stderr is not a terminal
+
+
 def test_audit_uses_every_sample_given_or_says_how_many(tmp_path, capsys):
     """Issue 46: the audit used 32 of the 64 samples given and said so only in a note."""
     path, npz = _saved_model(tmp_path)

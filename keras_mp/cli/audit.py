@@ -13,6 +13,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from keras_mp.archive import read_config
+from keras_mp.cli.errors import UnreadableModelError
+
 __all__ = ["fix", "load_batch", "run", "verdict"]
 
 
@@ -44,10 +47,14 @@ def load_batch(path: str | None, model, batch: int = 32, seed: int = 0, limit: i
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--data: no such file: {path!r}")
     try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.ndarray):  # a .npy file: the inputs alone
+            arrays = {"x": loaded}
+        else:
+            with loaded as f:
+                arrays = {k: f[k] for k in f.files}
     except (OSError, ValueError) as e:
-        raise ValueError(f"--data: {path!r} is not a readable .npz file ({e}).") from None
+        raise ValueError(f"--data: {path!r} is not a readable .npz or .npy file ({e}).") from None
     if "x" in arrays:
         x, y = arrays["x"], arrays.get("y")
     elif 1 <= len(arrays) <= 2:
@@ -57,7 +64,23 @@ def load_batch(path: str | None, model, batch: int = 32, seed: int = 0, limit: i
         raise ValueError(
             f"--data: {path!r} must hold arrays named 'x' (and 'y'); found {sorted(arrays)}."
         )
+    _check_width(path, x, model)
     return _first(x if y is None else (x, y), limit)
+
+
+def _check_width(path: str, x, model) -> None:
+    """Raises naming `--data` when `x` does not fit the model's (single) input."""
+    specs = list(getattr(model, "inputs", None) or [])
+    if len(specs) != 1 or not hasattr(x, "shape"):
+        return
+    want = tuple(specs[0].shape[1:])
+    got = tuple(x.shape[1:])
+    if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+        raise ValueError(
+            f"--data: {path!r} holds inputs of shape {tuple(x.shape)} (samples, "
+            f"{', '.join(map(str, got))}), but model {model.name!r} takes (batch, "
+            f"{', '.join(map(str, want))}): pass a batch of the model's inputs."
+        )
 
 
 def _first(data, limit: int | None):
@@ -79,6 +102,21 @@ def _load(path: str):
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such model file: {path!r}")
+    if os.path.isdir(path):
+        raise UnreadableModelError(
+            f"{path!r} is a directory: give a .keras model file (or a legacy .h5 one); a "
+            "TensorFlow SavedModel cannot be audited (Keras 3 loads it for inference only, as "
+            "keras.layers.TFSMLayer)."
+        )
+    if path.endswith(".keras"):
+        try:
+            read_config(path)
+        except ValueError as e:
+            raise UnreadableModelError(str(e)) from None
+    elif not path.endswith(".h5"):
+        raise UnreadableModelError(
+            f"{path!r} is not a model file Keras reads: give a .keras file (or a legacy .h5)."
+        )
     try:
         import keras_mp.saving as saving
 
