@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import keras_mp as kmp
-import keras_mp.load_plan as load_plan
+import keras_mp.saving.plan as load_plan
 
 VOCAB, WIDTH = 2000, 16
 IDS = np.array([[1999, 1998, 257, 3], [1001, 0, 1999, 256]], "float32")

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from keras_mp.archive import read_config
 from keras_mp.cli.errors import UnreadableModelError
+from keras_mp.keras_glue.archive import read_config
 
 __all__ = ["fix", "load_batch", "run", "verdict"]
 

@@ -22,8 +22,8 @@ import dataclasses
 import json
 import os
 
-from keras_mp.archive import read_config
 from keras_mp.cli.errors import UnreadableModelError
+from keras_mp.keras_glue.archive import read_config
 from keras_mp.keras_glue.extras import install_command, installed
 
 __all__ = ["DESCRIPTION", "HELP", "MODELS", "add_arguments", "check", "run"]

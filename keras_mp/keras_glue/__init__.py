@@ -6,7 +6,9 @@
 - `keras_internals`: the one door to `keras.src`, with a fallback per Keras version.
 - `backend_logs`: TensorFlow's C++ log lines filtered while it loads.
 - `quiet`: warnings keras_mp knows to be harmless, silenced where they arise.
-- `extras`: optional dependencies and the install command that brings each.
+- `extras`: optional dependencies and the install command that brings each, and the
+  backend Keras will start (checked before it does).
+- `archive`: a `.keras` file's archive checked and its config read, without Keras.
 - `source_handles`: a converted copy's weak references to the source model's layers, read
   by the compile patch.
 
@@ -14,4 +16,12 @@ Nothing is imported here: `patches` must run before Keras loads (it sets TensorF
 level), and importing `keras_internals` imports Keras.
 """
 
-__all__ = ["backend_logs", "extras", "keras_internals", "patches", "quiet", "source_handles"]
+__all__ = [
+    "archive",
+    "backend_logs",
+    "extras",
+    "keras_internals",
+    "patches",
+    "quiet",
+    "source_handles",
+]

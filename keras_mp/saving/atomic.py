@@ -280,7 +280,7 @@ def save_model(
 
     >>> kmp.saving.save_model(model, "run/last.keras")  # doctest: +SKIP
     """
-    import keras_mp.load_plan as load_plan
+    import keras_mp.saving.plan as load_plan
 
     filepath = os.fspath(filepath)
     with load_plan.scope():  # a converted Functional model's config keeps its plan

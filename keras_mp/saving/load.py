@@ -20,11 +20,11 @@ from typing import Any
 import keras
 from keras import ops
 
-import keras_mp.load_plan as load_plan
+import keras_mp.saving.plan as load_plan
 import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
-from keras_mp.archive import read_config
-from keras_mp.load_plan import reapply_plan
+from keras_mp.keras_glue.archive import read_config
 from keras_mp.saving.atomic import save_model, save_weights
+from keras_mp.saving.plan import reapply_plan
 
 __all__ = ["load_model", "load_weights", "reapply_plan", "save_model", "save_weights"]
 
@@ -126,7 +126,7 @@ def load_model(
     Sequential and functional models get back the dtype policy their config saved
     (Keras gives them the global one, while their layers keep the saved one), and a
     `kmp.convert` model its precision plan: its boundary and output casts, the graph
-    nodes that take token ids uncast, keras_mp's kernels (`keras_mp.load_plan`).
+    nodes that take token ids uncast, keras_mp's kernels (`keras_mp.saving.plan`).
 
     Args:
         filepath: Path to a `.keras` file (other paths go straight to Keras).

@@ -13,7 +13,7 @@ layer saved with a `DTypePolicyMap` (a keras_hub model) or a quantized policy, o
 dtype, is made as before; layers that pass their dtype on (Keras' own) are unaffected.
 `install()` (done by `import keras_mp`, `keras_mp/keras_glue/patches.py`) makes plain
 `keras.saving.load_model` and `keras.models.clone_model` do it, and installs
-`keras_mp.load_plan` (a converted Functional model saves its precision plan and gets it
+`keras_mp.saving.plan` (a converted Functional model saves its precision plan and gets it
 back on load); `scope()` does it for one load (`kmp.saving.load_model` uses it, so it works
 with `KERAS_MP_NO_PATCH=1` too).
 """
@@ -25,7 +25,7 @@ import functools
 
 import keras
 
-import keras_mp.load_plan as load_plan
+import keras_mp.saving.plan as load_plan
 
 __all__ = ["install", "installed", "scope", "uninstall"]
 
@@ -73,13 +73,13 @@ def _layer_installed() -> bool:
 
 def installed() -> bool:
     """Whether `keras.layers.Layer.from_config` makes sublayers in their parent's dtype
-    (and `keras_mp.load_plan` is installed)."""
+    (and `keras_mp.saving.plan` is installed)."""
     return _layer_installed() and load_plan.installed()
 
 
 def install() -> None:
     """Wraps `keras.layers.Layer.from_config` (see the module's docstring) and installs
-    `keras_mp.load_plan`; idempotent."""
+    `keras_mp.saving.plan`; idempotent."""
     load_plan.install()
     if not _layer_installed():
         inherited = keras.layers.Layer.from_config.__func__
@@ -88,7 +88,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Gives `keras.layers.Layer` back the `from_config` it inherits and uninstalls
-    `keras_mp.load_plan`; idempotent."""
+    `keras_mp.saving.plan`; idempotent."""
     load_plan.uninstall()
     if _layer_installed():
         inherited = keras.layers.Layer.from_config.__func__.__wrapped__

@@ -23,7 +23,7 @@ outputs were no longer float32. `install()` closes that:
   state); then they give the model the map its config saved, nested Sequential/Functional
   models the policy theirs saved, and the outermost model its plan again (`reapply_plan`).
 
-`keras_mp.sublayer_dtypes.install()` installs it (so `import keras_mp` does: plain
+`keras_mp.saving.sublayer_dtypes.install()` installs it (so `import keras_mp` does: plain
 `keras.saving.load_model` gets the plan back); `kmp.saving.load_model` and
 `kmp.saving.save_model` use `scope()`, so they work with `KERAS_MP_NO_PATCH=1` too.
 """

@@ -31,7 +31,7 @@ def read_config(filepath: str | os.PathLike) -> dict:
 
     Example:
 
-    >>> keras_mp.archive.read_config("run/model.keras")["class_name"]  # doctest: +SKIP
+    >>> keras_mp.keras_glue.archive.read_config("run/model.keras")["class_name"]  # doctest: +SKIP
     'Functional'
     """
     filepath = os.fspath(filepath)
