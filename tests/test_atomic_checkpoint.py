@@ -248,6 +248,7 @@ def test_a_save_past_a_file_size_limit_says_it_needs_room_for_two_copies(tmp_pat
     _check_no_room(out, stderr, str(tmp_path))
 
 
+@pytest.mark.slow  # a second TensorFlow subprocess; the file-size limit above runs in CI
 def test_a_save_to_a_full_disk_says_it_needs_room_for_two_copies(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
