@@ -69,6 +69,11 @@ def lean_rule(static: Static, hyper: Hyper, values: dict) -> dict:
         A dict with the new `weight` and, where given, `compensation`, `m`, `m_scale`,
         `v`, `v_scale`; all as given when the gradient has an inf or NaN.
     """
+    from keras_mp.lean import chunked  # imports this module's `update`
+
+    rows = chunked.chunk_rows(static)
+    if rows is not None:  # a large matrix: in row blocks, no whole float32 temporaries
+        return chunked.chunked_rule(static, hyper, values, rows)
     g = ops.reshape(ops.cast(values["grad"], "float32"), static.shape)
     if "grad_square" in values:
         values = {**values, "grad_square": ops.reshape(values["grad_square"], static.shape)}
@@ -88,7 +93,8 @@ def update(static: Static, hyper: Hyper, values: dict, noise) -> dict:
             weight-shaped values (the weight, its gradient and compensation, float moments).
         hyper: the optimizer's constants (`Hyper`).
         values: as `lean_rule`'s, with `grad` already float32 of `static.shape`; `seed`
-            is not read.
+            is not read; `v_estimate` (a row block's factored second moment, from
+            `keras_mp.lean.chunked`) replaces the factored update of `v`.
         noise: three uniform [0, 1) tensors of `static.shape`: the stochastic roundings'
             noise of the weight, the first and the second moment.
 
@@ -131,7 +137,9 @@ def update(static: Static, hyper: Hyper, values: dict, noise) -> dict:
         m = moment("m", True)
         m = m + (g - m) * (1.0 - hyper.beta_1)
         square = values.get("grad_square", ops.square(g))
-        if static.v == factored.FORMAT:  # row and column averages (`lean.factored`)
+        if "v_estimate" in values:  # a row block of `lean.chunked`: averages made whole
+            v = values["v_estimate"]
+        elif static.v == factored.FORMAT:  # row and column averages (`lean.factored`)
             v, out["v"], out["v_scale"] = factored.second_moment(
                 values["v"], values["v_scale"], square, hyper.beta_2
             )

@@ -250,12 +250,20 @@ def _jax_backward(spec, h, w, y, ok, lse, g):
         d = _chunk_grad(spec, z, t, start, y, lse, g).astype(low)
         wc = wc.astype(low)
         if spec.transposed:  # z = h @ wc.T: dh += d @ wc, dwc = d.T @ h
-            dh = dh + lax.dot_general(d, wc, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            dwc = lax.dot_general(d, h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            dh = dh + lax.dot_general(
+                d, wc, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            dwc = lax.dot_general(
+                d, h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
             dw = lax.dynamic_update_slice_in_dim(dw, dwc.astype(dw.dtype), start, axis=0)
         else:  # z = h @ wc: dh += d @ wc.T, dwc = h.T @ d
-            dh = dh + lax.dot_general(d, wc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            dwc = lax.dot_general(h, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            dh = dh + lax.dot_general(
+                d, wc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            dwc = lax.dot_general(
+                h, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
             dw = lax.dynamic_update_slice_in_dim(dw, dwc.astype(dw.dtype), start, axis=1)
         return dh, dw
 
@@ -298,9 +306,7 @@ def _jax_op(spec, h, w, y, ok):
 def _tf_dot(h, w, transposed):
     import tensorflow as tf
 
-    return tf.matmul(
-        tf.cast(h, tf.float32), tf.cast(w, tf.float32), transpose_b=bool(transposed)
-    )
+    return tf.matmul(tf.cast(h, tf.float32), tf.cast(w, tf.float32), transpose_b=bool(transposed))
 
 
 def _tf_slice(spec, w, start, width):
