@@ -48,6 +48,12 @@ blocks), `--model gemma7b` for Gemma-7B's (sequence 2048); `--peak-buffers` adds
 live at the peak, by kind (`peak_memory.py`: weight gradients held for the update,
 activations saved for the backward pass, ...).
 
+Suffixes `@fused` (issue 54's lever 3: `keras_mp.numerics.fused_lm_loss.use_fused_loss`,
+the loss from the hidden states without the full logits) and `@chunked` (lever 2: the
+lean update of large matrices in row blocks, `keras_mp.lean.chunked`; keras_mp's default,
+turned off with `KERAS_MP_LEAN_CHUNK=0` in every row without it) combine with `+`:
+`lean@fused+chunked`, `lean@remat+fused+chunked`.
+
 `--tiny` builds a small model (vocabulary 512, 2 layers) to check the pipeline in seconds.
 """
 
@@ -352,9 +358,22 @@ def step_record(
     base, _, suffix = policy.partition("@")
     if base not in POLICIES:
         raise SystemExit(f"unknown policy {base!r}; one of {sorted(POLICIES)}")
+    levers = set(suffix.split("+")) if suffix else set()
+    unknown = levers - {"remat", "fused", "chunked"}
+    if unknown:
+        raise SystemExit(f"unknown policy suffix {sorted(unknown)}; remat, fused, chunked")
+    # issue 54's levers: lever 2 (the lean update in row blocks) is on by default in
+    # keras_mp; the rows without `chunked` turn it off to show what it changes
+    from keras_mp.lean import chunked
+
+    os.environ[chunked.CHUNK_ENV] = "" if "chunked" in levers else "0"
     start = time.perf_counter()
     distribution, batch = distribution_for(mesh, devices, layout, model_name)
-    model, forced = build(base, kwargs, distribution, suffix == "remat", model_name)
+    model, forced = build(base, kwargs, distribution, "remat" in levers, model_name)
+    if "fused" in levers:  # lever 3: the loss from the hidden states, chunked
+        from keras_mp.numerics.fused_lm_loss import use_fused_loss
+
+        use_fused_loss(model)
     if distribution is None:
         default = jax.sharding.SingleDeviceSharding(devices[0])
         data_sharding = default
@@ -399,7 +418,9 @@ def step_record(
         "sequence": sequence,
         "batch": batch,
         "policy": base,
-        "remat": "RematScope(list_of_layers: decoder blocks)" if suffix == "remat" else None,
+        "remat": "RematScope(list_of_layers: decoder blocks)" if "remat" in levers else None,
+        "fused_loss": "fused" in levers,
+        "chunked_update": "chunked" in levers,
         "devices": len(devices),
         "mesh": mesh if distribution is not None else None,
         "distribution": type(distribution).__name__ if distribution is not None else None,

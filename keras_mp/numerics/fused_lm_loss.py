@@ -175,11 +175,10 @@ def _fused_loss(model, head, y, hidden, sample_weight):
     )
     metrics = _accuracy_metrics(model, y, hidden)
     if metrics:
+        # as Keras' accuracy counts them: every position, by its sample weight (the loss'
+        # ignore_class is the loss'; Keras' metric does not read it)
         matches = ops.cast(ops.equal(predicted, labels), "float32")
         weight = None if sample_weight is None else ops.cast(sample_weight, "float32")
-        if valid is not None:
-            mask = ops.cast(valid, "float32")
-            weight = mask if weight is None else weight * mask
         for metric in metrics:
             keras.metrics.Mean.update_state(metric, matches, sample_weight=weight)
     return total

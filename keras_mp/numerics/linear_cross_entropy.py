@@ -41,9 +41,12 @@ from keras import ops
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "chunk_for", "linear_cross_entropy"]
 
-# One chunk's float32 logits take at most this many bytes (at least 128 columns): 256 MiB,
-# so a 2048-token sequence gets 32,768-word chunks (4 for Llama-3's vocabulary).
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+# One chunk's float32 logits take at most this many bytes (at least 128 columns): 64 MiB,
+# so a 2048-token sequence gets 8,192-word chunks (16 for Llama-3's vocabulary). Compiled
+# for an H200 (benchmarks/fused_loss_memory.py), 2048 tokens x 128,256 words: the loss's
+# temporaries are 0.13-0.18 GiB with 4,096-8,192-word chunks, 0.99 GiB with 32,768 (a few
+# chunk-sized float32 buffers), 0.49 GiB for the plain loss's bfloat16 logits.
+DEFAULT_CHUNK_BYTES = 64 * 2**20
 _MIN_CHUNK = 128
 
 
