@@ -38,7 +38,14 @@ from keras import ops
 from keras_mp.lean import codecs as lean_codecs
 from keras_mp.lean import factored
 
-__all__ = ["CHUNK_ENV", "DEFAULT_CHUNK_VALUES", "chunk_rows", "chunk_values", "chunked_rule"]
+__all__ = [
+    "CHUNK_ENV",
+    "DEFAULT_CHUNK_VALUES",
+    "chunk_rows",
+    "chunk_values",
+    "chunked_rule",
+    "raw_gradient",
+]
 
 CHUNK_ENV = "KERAS_MP_LEAN_CHUNK"
 DEFAULT_CHUNK_VALUES = 1 << 24
@@ -100,6 +107,30 @@ def chunk_rows(static, limit: int | None = None) -> int | None:
     return None
 
 
+def raw_gradient(variable, limit: int | None = None) -> bool:
+    """Whether the optimizer should hand `variable`'s gradient to the update as it comes
+    (bfloat16), with the step's finiteness as `step_finite`, rather than as a poisoned
+    float32 copy: a rank-2 variable over `chunk_values()` values outside a distribution,
+    which `chunk_rows` will most likely cut into row blocks (if it does not, `lean_rule`
+    casts and poisons it itself).
+
+    Args:
+        variable: a trainable variable.
+        limit: the most values a block holds (default `chunk_values()`).
+
+    Returns:
+        A bool.
+    """
+    limit = chunk_values() if limit is None else limit
+    shape = tuple(int(d) for d in variable.shape)
+    return bool(
+        limit
+        and len(shape) == 2
+        and math.prod(shape) > limit
+        and keras.distribution.distribution() is None
+    )
+
+
 def chunked_rule(static, hyper, values: dict, rows: int) -> dict:
     """`keras_mp.lean.rule.lean_rule` of a matrix, `rows` rows at a time.
 
@@ -116,11 +147,16 @@ def chunked_rule(static, hyper, values: dict, rows: int) -> dict:
 
     shape = tuple(int(d) for d in static.shape)
     total_rows, cols = shape
-    g = ops.reshape(ops.cast(values["grad"], "float32"), shape)
+    # the gradient as given (bfloat16 where the optimizer left it so: `raw_gradient`), cast
+    # to float32 block by block inside the loop: a float32 copy made before the loop
+    # would be a whole-matrix buffer (the loop's operand)
+    g = ops.reshape(values["grad"], shape)
     square = values.get("grad_square")
     if square is not None:
         square = ops.reshape(square, shape)
     finite = ops.all(ops.isfinite(g))
+    if "step_finite" in values:  # the whole step's finiteness (`raw_gradient`)
+        finite = ops.logical_and(finite, values["step_finite"])
     is_factored = static.v == factored.FORMAT
     state = {}  # the stored arrays the blocks are written into
     for name in ("weight", "compensation", "m", "m_scale", "v", "v_scale"):
@@ -128,7 +164,7 @@ def chunked_rule(static, hyper, values: dict, rows: int) -> dict:
             state[name] = values[name]
     whole = {}  # pass 1: the factored averages
     if is_factored:
-        sq = ops.square(g) if square is None else square
+        sq = ops.square(ops.cast(g, "float32")) if square is None else square
         beta = hyper.beta_2
         new_rows = values["v"] + (ops.mean(sq, axis=1) - values["v"]) * (1.0 - beta)
         new_cols = values["v_scale"] + (ops.mean(sq, axis=0) - values["v_scale"]) * (1.0 - beta)
@@ -158,7 +194,7 @@ def chunked_rule(static, hyper, values: dict, rows: int) -> dict:
                 block[name] = ops.slice(x, (i * per_block,), (per_block,))
             else:
                 block[name] = rows_of(x, start, rows)
-        block["grad"] = rows_of(g, start, rows)
+        block["grad"] = ops.cast(rows_of(g, start, rows), "float32")
         if square is not None:
             block["grad_square"] = rows_of(square, start, rows)
         if is_factored:

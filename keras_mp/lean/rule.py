@@ -75,6 +75,9 @@ def lean_rule(static: Static, hyper: Hyper, values: dict) -> dict:
     if rows is not None:  # a large matrix: in row blocks, no whole float32 temporaries
         return chunked.chunked_rule(static, hyper, values, rows)
     g = ops.reshape(ops.cast(values["grad"], "float32"), static.shape)
+    if "step_finite" in values:  # a raw gradient (`chunked.raw_gradient`) not chunked
+        g = ops.where(values["step_finite"], g, float("nan"))
+        values = {k: x for k, x in values.items() if k != "step_finite"}
     if "grad_square" in values:
         values = {**values, "grad_square": ops.reshape(values["grad_square"], static.shape)}
     noise = lean_codecs.uniforms(static.shape, noise_seed(values["iterations"], values["seed"]), 3)
