@@ -73,6 +73,10 @@ def test_chunk_rows_choice(monkeypatch):
     tall = Static((4096, 128256), "bfloat16", "int4", "factored", blocks)
     assert chunked.chunk_rows(tall, 1 << 24) == 128
     assert chunked.chunk_rows(static, 0) is None  # off
+    tested = Static(
+        (128, 512), "bfloat16", "int4", "factored", lean_codecs.blocks_for((128, 512), 128)
+    )
+    assert chunked.chunk_rows(tested, 8192) == 16  # the test above runs 8 row blocks
     small = Static((64, 64), "bfloat16", "int4", "factored", lean_codecs.blocks_for((64, 64), 128))
     assert chunked.chunk_rows(small, 1 << 24) is None
     monkeypatch.setenv(chunked.CHUNK_ENV, "lots")
