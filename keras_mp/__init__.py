@@ -47,6 +47,7 @@ from keras_mp.memory import (  # deprecated aliases
     will_it_fit,
 )
 from keras_mp.numerics import activations, layers, losses
+from keras_mp.numerics.fused_lm_loss import use_fused_loss
 from keras_mp.observe import AuditReport, LossScaleCollapseError, audit, callbacks
 from keras_mp.policies import (
     DEFAULT_KEEP_FP32,
@@ -122,6 +123,7 @@ __all__ = [
     "Policy",
     "convert",
     "plan",
+    "use_fused_loss",
     "keep_list",
     "global_policy",
     "set_global_policy",

@@ -160,6 +160,7 @@ def convert(
     loss: Any = None,
     check: str | None = "auto",
     in_place: bool = False,
+    fused_loss: bool = False,
 ) -> keras.Model:
     """Returns a copy of `model` running under `policy`, with its weights.
 
@@ -221,6 +222,10 @@ def convert(
             compiled model is compiled again, with fresh optimizer state). Default
             False: the original is not touched, and a `trainable` flag changed on its
             layers afterwards is named by a warning when the copy is compiled.
+        fused_loss: train and evaluate the copy with the cross-entropy taken from the
+            hidden states chunk by chunk, never the whole logits
+            (`kmp.use_fused_loss`; keras_hub causal LMs and models ending in a
+            `ReversibleEmbedding` or a bias-free `Dense`). Not saved with the model.
 
     Returns:
         A new, built `keras.Model` of the same class (`in_place`: `model`).
@@ -239,6 +244,10 @@ def convert(
     ```
     """
     _check_model(model)
+    if fused_loss:
+        from keras_mp.numerics.fused_lm_loss import fused_head
+
+        fused_head(model)  # refused before the conversion's work, naming the output
     _warn_stock_scaler(model)  # here, once: the run check's conversions run with warnings off
     if check not in (None, *_runcheck.CHECKS):
         raise ValueError(
@@ -247,7 +256,7 @@ def convert(
     if isinstance(policy, keep_list.Plan):
         if calibrate is not None:
             raise ValueError("convert: pass `calibrate` to kmp.plan, or a policy, not a plan.")
-        return _converted(model, policy, in_place=in_place)
+        return _with_fused_loss(_converted(model, policy, in_place=in_place), fused_loss)
     if in_place:  # the checks' conversions are copies; the plan they settle on, in place
         tried = convert(
             model,
@@ -258,7 +267,8 @@ def convert(
             loss=loss,
             check=check,
         )
-        return _converted(model, tried.precision_plan, in_place=True)
+        new = _converted(model, tried.precision_plan, in_place=True)
+        return _with_fused_loss(new, fused_loss)
     policy = as_policy(policy)
     _warn_unmatched(model, policy)
     _warn_chose_float32(model, policy)
@@ -269,15 +279,26 @@ def convert(
         the_plan, new = _calibrated(model, policy, calibrate, margin, max_batches, loss)
         x, inputs = calibration.batches(calibrate, 1)[0][0], "calibration batch"
     if check is None or not policy.is_low_precision:
-        return new if new is not None else _converted(model, the_plan)
+        new = new if new is not None else _converted(model, the_plan)
+        return _with_fused_loss(new, fused_loss)
     recalibrate = (
         None
         if calibrate is not None
         else (lambda batch: _calibrated(model, policy, batch, margin, 1, loss)[0])
     )
-    return _runcheck.run_check(
+    new = _runcheck.run_check(
         model, the_plan, new, x, inputs, check, lambda p: _converted(model, p), recalibrate
     )
+    return _with_fused_loss(new, fused_loss)
+
+
+def _with_fused_loss(model: keras.Model, fused_loss: bool) -> keras.Model:
+    """`model`, trained with `kmp.use_fused_loss` where `fused_loss` asks for it."""
+    if not fused_loss:
+        return model
+    from keras_mp.numerics.fused_lm_loss import use_fused_loss
+
+    return use_fused_loss(model)
 
 
 def _converted(model: keras.Model, the_plan: keep_list.Plan, in_place: bool = False) -> keras.Model:

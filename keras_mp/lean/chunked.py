@@ -131,7 +131,7 @@ def raw_gradient(variable, limit: int | None = None) -> bool:
     )
 
 
-def chunked_rule(static, hyper, values: dict, rows: int) -> dict:
+def chunked_rule(static, hyper, values: dict, rows: int, update, seed) -> dict:
     """`keras_mp.lean.rule.lean_rule` of a matrix, `rows` rows at a time.
 
     Args:
@@ -139,12 +139,12 @@ def chunked_rule(static, hyper, values: dict, rows: int) -> dict:
         hyper: the optimizer's `Hyper`.
         values: as `lean_rule`'s.
         rows: rows per block.
+        update: `keras_mp.lean.rule.update` (passed in: that module dispatches here).
+        seed: the step's noise seed of the variable (`keras_mp.lean.rule.noise_seed`).
 
     Returns:
         The new state, as `lean_rule` returns it (bit-identical).
     """
-    from keras_mp.lean.rule import noise_seed, update
-
     shape = tuple(int(d) for d in static.shape)
     total_rows, cols = shape
     # the gradient as given (bfloat16 where the optimizer left it so: `raw_gradient`), cast
@@ -178,7 +178,6 @@ def chunked_rule(static, hyper, values: dict, rows: int) -> dict:
         shape=(rows, cols),
         blocks=lean_codecs.Blocks((1, 1), per_block, length) if length > 1 else static.blocks,
     )
-    seed = noise_seed(values["iterations"], values["seed"])
     scalars = {k: values[k] for k in ("lr", "iterations", "seed", "weight_decay") if k in values}
 
     def rows_of(x, start, count):

@@ -133,4 +133,3 @@ def uninstall() -> None:
     """Gives `keras.models.clone_model` back; idempotent."""
     if installed():
         keras.models.clone_model = keras.models.clone_model.__wrapped__
-

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import keras
 from keras import ops
 
+from keras_mp.lean import chunked, factored
 from keras_mp.lean import codecs as lean_codecs
-from keras_mp.lean import factored
 from keras_mp.scaling.grad_finite import is_sparse
 
 __all__ = [
@@ -69,11 +69,10 @@ def lean_rule(static: Static, hyper: Hyper, values: dict) -> dict:
         A dict with the new `weight` and, where given, `compensation`, `m`, `m_scale`,
         `v`, `v_scale`; all as given when the gradient has an inf or NaN.
     """
-    from keras_mp.lean import chunked  # imports this module's `update`
-
     rows = chunked.chunk_rows(static)
     if rows is not None:  # a large matrix: in row blocks, no whole float32 temporaries
-        return chunked.chunked_rule(static, hyper, values, rows)
+        seed = noise_seed(values["iterations"], values["seed"])
+        return chunked.chunked_rule(static, hyper, values, rows, update, seed)
     g = ops.reshape(ops.cast(values["grad"], "float32"), static.shape)
     if "step_finite" in values:  # a raw gradient (`chunked.raw_gradient`) not chunked
         g = ops.where(values["step_finite"], g, float("nan"))

@@ -29,18 +29,34 @@ from keras_mp.scaling.grad_finite import is_sparse, per_variable_finite
 __all__ = ["LeanStep"]
 
 
+def trainable_variables_unknown(variables, grads) -> bool:
+    """Whether the variables the gradients belong to are not known one to one (an
+    optimizer not built yet: Keras builds it inside `apply`)."""
+    return variables is None or len(variables) != len(grads)
+
+
 class LeanStep:
     """`LeanOptimizer`'s update (a mixin: it reads the optimizer's state and settings)."""
 
     def apply(self, grads, trainable_variables=None):
         """Applies one step; gradients are taken to float32 first (clipping included)."""
-        grads = [None if g is None else to_float32(g) for g in grads]
+        variables = trainable_variables or getattr(self, "_trainable_variables", None)
+        raw = self._raw_gradients(grads, variables)
+        grads = [g if g is None or r else to_float32(g) for g, r in zip(grads, raw)]
         # One inf or NaN anywhere skips the whole step, as float16's scaler does: every
         # gradient is then made NaN, so each variable's update keeps its weight and
         # moments (a select XLA fuses into the update; a finite step passes through).
+        # A large matrix updated in row blocks (`keras_mp.lean.chunked`) keeps its
+        # gradient as it came and gets the step's finiteness instead (`_values`): a
+        # poisoned float32 copy would be made whole as the blocks' loop operand.
         finite = ops.all(per_variable_finite(grads))
-        grads = [None if g is None else _poisoned(g, finite) for g in grads]
-        result = super().apply(grads, trainable_variables)
+        grads = [g if g is None or r else _poisoned(g, finite) for g, r in zip(grads, raw)]
+        self._raw = {id(v) for v, r in zip(variables, raw) if r}
+        self._step_finite = finite
+        try:
+            result = super().apply(grads, trainable_variables)
+        finally:
+            self._raw, self._step_finite = set(), None
         # counted as float16's skipped steps are (`LossScaleMonitor`, `Telemetry`); and, as
         # under kmp.LossScaleOptimizer, a skipped step is no update: `iterations` (the
         # learning-rate schedule's step, Adam's bias correction) counts applied updates.
@@ -49,6 +65,30 @@ class LeanStep:
         if not self.gradient_accumulation_steps:  # there Keras counts micro-steps
             self._iterations.assign_sub(ops.cast(skipped, self._iterations.dtype))
         return result
+
+    def _raw_gradients(self, grads, variables) -> list:
+        """Per gradient: whether it goes to the update as it came (`chunked.raw_gradient`:
+        a large matrix, dense, the fused rule, no Keras-side clipping, scaling or
+        accumulation, which would act on it before it is taken to float32)."""
+        from keras_mp.lean import chunked
+
+        plain = (
+            self._general is None
+            and self._kernel == "xla"
+            and not (self.clipnorm or self.clipvalue or self.global_clipnorm)
+            and not self.gradient_accumulation_steps
+            and not self.loss_scale_factor
+        )
+        if plain and keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            plain = not tf.distribute.has_strategy()  # replicas' variables: not by id
+        if not plain or trainable_variables_unknown(variables, grads):
+            return [False] * len(grads)
+        return [
+            g is not None and not is_sparse(g) and chunked.raw_gradient(v)
+            for g, v in zip(grads, variables)
+        ]
 
     def _apply_weight_decay(self, variables):
         return  # decoupled decay is part of update_step, in float32
@@ -90,6 +130,8 @@ class LeanStep:
         }
         if square is not None:
             values["grad_square"] = square
+        if id(variable) in getattr(self, "_raw", ()):  # as it came: `apply`
+            values["step_finite"] = self._step_finite
         if self._decays(variable):
             values["weight_decay"] = ops.cast(self.weight_decay, "float32")
         return values

@@ -39,7 +39,7 @@ import threading
 import keras
 from keras import ops
 
-from keras_mp.keras_internals import reduce_weighted_values
+from keras_mp.keras_glue.keras_internals import reduce_weighted_values
 from keras_mp.numerics.linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["fused_head", "use_fused_loss"]
