@@ -204,7 +204,9 @@ def classify(p: programs.Program, low: programs.Run, ref: programs.Run) -> Outco
     if p.event == "bad_label":
         if low_finite and not kmp_warn:
             return out("silent", "out-of-range label trains with a finite loss, no word")
-        return out("ok" if not low_finite else "ok_warned", "out-of-range label: NaN or warned")
+        if kmp_warn:
+            return out("ok_warned", "out-of-range label: keras_mp warned")
+        return out("ok", "out-of-range label: NaN, as Keras gives")
     if p.event == "high_lr":
         diverged = not low_finite or low.losses[-1] > DIVERGED
         if not diverged:

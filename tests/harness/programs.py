@@ -94,6 +94,9 @@ N, BATCH, EPOCHS = 48, 16, 5  # 3 steps per epoch, 15 steps
 LR = {"adam": 1e-2, "adamw": 1e-2, "sgd": 5e-2, "rmsprop": 5e-3}
 HIGH_LR = 1e3
 KMP_DIR = os.path.dirname(kmp.__file__) + os.sep
+# Keras trims its own frames from tracebacks; the oracle needs them all to tell a deliberate
+# `raise` from an error deeper down
+keras.config.disable_traceback_filtering()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -662,10 +665,9 @@ def _facts(p: Program, model, opt) -> dict:
         "dynamic_scale": getattr(getattr(opt, "loss_scale_config", None), "dynamic", None),
         "compute_dtypes": sorted({layer.compute_dtype for layer in _layers(model)}),
     }
-    try:
-        facts["pinned"] = model.get_layer("pinned").compute_dtype
-    except ValueError:
-        pass
+    pinned = [layer for layer in _layers(model) if layer.name == "pinned"]
+    if pinned:
+        facts["pinned"] = pinned[0].compute_dtype
     facts["input_policies"] = sorted(
         {
             layer.dtype_policy.name

@@ -97,7 +97,7 @@ def _causes(outcomes: list[oracle.Outcome]) -> None:
     groups: dict[str, list[oracle.Outcome]] = collections.defaultdict(list)
     for o in outcomes:
         if o.failed:
-            groups[f"{o.kind}: " + re.sub(r"(?<![A-Za-z])\d[\d.e+-]*", "#", o.reason)].append(o)
+            groups[f"{o.kind}: " + re.sub(r"\b\d[\d.e+-]*", "#", o.reason)].append(o)
     for cause, members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         print(f"\n{len(members):>4}  {cause}")
         for o in members[:40]:
