@@ -361,10 +361,12 @@ class GuideTrainStep(keras.Model):
     """A `train_step` override written as Keras' "Customizing fit()" guide writes it
     (backend by backend; the loss is not scaled, as in the guide)."""
 
-    def train_step(self, data):
+    def train_step(self, *args):
         if keras.backend.backend() == "jax":
-            return self._jax_train_step(*data)
+            return self._jax_train_step(*args)  # (state, data) on JAX
         import tensorflow as tf
+
+        (data,) = args
 
         x, y = data
         with tf.GradientTape() as tape:
