@@ -94,9 +94,6 @@ N, BATCH, EPOCHS = 48, 16, 5  # 3 steps per epoch, 15 steps
 LR = {"adam": 1e-2, "adamw": 1e-2, "sgd": 5e-2, "rmsprop": 5e-3}
 HIGH_LR = 1e3
 KMP_DIR = os.path.dirname(kmp.__file__) + os.sep
-# Keras trims its own frames from tracebacks; the oracle needs them all to tell a deliberate
-# `raise` from an error deeper down
-keras.config.disable_traceback_filtering()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -688,6 +685,9 @@ def run(p: Program, precision: str = "low", init_seed: int | None = None) -> Run
     """
     result = Run(precision=precision)
     keras.backend.clear_session()
+    # Keras trims its own frames from tracebacks (a setting `clear_session` resets); the
+    # oracle needs them all to tell a deliberate `raise` from an error deeper down
+    keras.config.disable_traceback_filtering()
     _reset_precision()
     keras.utils.set_random_seed(p.seed if init_seed is None else init_seed)
     x, y = _data(p)
