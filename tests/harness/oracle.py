@@ -36,7 +36,8 @@ __all__ = ["Outcome", "TOLERANCE", "classify", "check", "distance"]
 # Calibrated (FINDINGS.md, "Calibration", TensorFlow): known-good mixed programs (kmp.convert,
 # fit, Adam, no event; one per family) measured at most 0.041 (mixed_float16), 0.014
 # (mixed_bfloat16), 0.043 (lean_bfloat16); float32 against float32 with another weight seed,
-# 0.007-0.77 (median 0.14, 15 programs). The tolerances sit 2.4x, 7x and 3.5x above the known-good maxima.
+# 0.007-0.77 (median 0.14, 15 programs). The tolerances sit 2.4x, 7x and 3.5x above the
+# known-good maxima.
 TOLERANCE = {"float16": 0.1, "bfloat16": 0.1, "lean": 0.15}
 RESUME_TOLERANCE = 0.05  # save/load then continue vs. the uninterrupted run (same setup)
 DIVERGED = 3 * math.log(programs.CLASSES)  # a loss past 3x chance level has diverged
