@@ -114,7 +114,9 @@ def _error_kind(err: dict) -> tuple[str, str]:
             return "kmp_raise", where(innermost)
         return "kmp_internal", where(ours[-1])
     # A TensorFlow graph error names where the failing op was defined
-    defined = re.findall(r"File \"([^\"]*keras_mp[^\"]*)\", line (\d+)", err["message"])
+    defined = err.get("graph_sites") or re.findall(
+        r"File \"([^\"]*keras_mp[^\"]*)\", line (\d+)", err["message"]
+    )
     if defined:
         path, line = defined[-1]
         return "kmp_internal", f"{path.split('keras_mp' + os.sep, 1)[-1]}:{line} (graph op)"

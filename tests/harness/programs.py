@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -629,15 +630,20 @@ class _WarningLog:
 
 
 def _error_of(e: BaseException) -> dict:
+    """The exception as data: type, message, traceback frames, and the keras_mp sites a
+    TensorFlow graph error names as where its failing op was defined."""
     frames = [
         (f.filename, f.lineno, f.name, (f.line or "").strip())
         for f in traceback.extract_tb(e.__traceback__)
     ]
+    message = str(e)
+    sites = re.findall(r"File \"([^\"]*keras_mp[^\"]*)\", line (\d+)", message)
     return {
         "type": type(e).__name__,
         "module": type(e).__module__,
-        "message": str(e)[:4000],
+        "message": message[:4000],
         "frames": frames,
+        "graph_sites": [(path, int(line)) for path, line in sites if path.startswith(KMP_DIR)],
     }
 
 
