@@ -29,7 +29,7 @@ import math
 import os
 import re
 
-from . import programs
+from . import families, programs
 
 __all__ = ["Outcome", "TOLERANCE", "classify", "check", "distance"]
 
@@ -40,7 +40,7 @@ __all__ = ["Outcome", "TOLERANCE", "classify", "check", "distance"]
 # known-good maxima.
 TOLERANCE = {"float16": 0.1, "bfloat16": 0.1, "lean": 0.15}
 RESUME_TOLERANCE = 0.05  # save/load then continue vs. the uninterrupted run (same setup)
-DIVERGED = 3 * math.log(programs.CLASSES)  # a loss past 3x chance level has diverged
+DIVERGED = 3 * math.log(families.CLASSES)  # a loss past 3x chance level has diverged
 # keras_mp advice given whatever the result (the setup's choice of scaler): recorded, but it
 # does not count as naming the fix of a different result
 ROUTINE = (r"compiled with Keras' own LossScaleOptimizer",)
