@@ -14,7 +14,7 @@ Example:
 ```python
 from tests.harness import programs
 p = programs.generate(7, "tensorflow")
-print(p.describe())           # family=dense policy=convert:mixed_float16 ...
+print(p.describe())           # seed=7 family=shared policy=kmp:mixed_float16 ...
 low, ref = programs.run(p), programs.run(p, precision="float32")
 ```
 """
