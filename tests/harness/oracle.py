@@ -119,7 +119,10 @@ def _error_kind(err: dict) -> tuple[str, str]:
     )
     if defined:
         path, line = defined[-1]
-        return "kmp_internal", f"{path.split('keras_mp' + os.sep, 1)[-1]}:{line} (graph op)"
+        site = f"{path.split('keras_mp' + os.sep, 1)[-1]}:{line} (graph op)"
+        if re.search(r"assertion failed: \[kmp\.", err["message"]):
+            return "kmp_raise", site  # keras_mp's own graph assertion, with its message
+        return "kmp_internal", site
     if innermost and innermost[0].startswith(KERAS_DIR) and deliberate(innermost):
         return "keras_raise", where(innermost)
     return "raw", where(innermost) if innermost else "?"
