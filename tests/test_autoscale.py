@@ -62,6 +62,58 @@ def test_explicit_stock_scaler_is_kept_with_a_warning():
         kmp.convert(converted, "mixed_float16")  # convert says so too
 
 
+class _GuideStep(keras.Model):
+    """keras.io's "Customizing fit()" train_step: the loss is never scaled."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+class _ScaledStep(_GuideStep):
+    def train_step(self, data):  # the same, scaling as Keras' scaler needs
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.tf_only
+def test_own_train_step_without_scale_loss_under_the_stock_scaler_is_named():
+    """The harness' H11/seed 200: Keras' scaler divides an unscaled train_step's gradients
+    by 32768 and the run stalls with a finite loss; the warning says so and names the fix
+    (the generic "no bounds" warning did not)."""
+    x, y = np.ones((8, 6), "float32"), np.zeros((8, 3), "float32")
+    for cls, says in ((_GuideStep, True), (_ScaledStep, False)):
+        inputs = keras.Input((6,))
+        model = cls(inputs, keras.layers.Dense(3)(inputs), name="guide")
+        model = kmp.convert(model, "mixed_float16")
+        assert type(model) is cls
+        stock = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model.compile(optimizer=stock, loss="mse")
+        text = " ".join(str(w.message) for w in seen)
+        assert ("never calls `self.optimizer.scale_loss(loss)`" in text) is says, text
+        assert ("32768 times too small" in text) is says
+        before = model.get_weights()[0].copy()
+        model.fit(x, y, epochs=1, verbose=0)
+        moved = float(np.abs(model.get_weights()[0] - before).max())
+        # the warning is true: unscaled, the step is 32768x smaller than the scaled one
+        assert (moved < 1e-4) is says, moved
+
+
 def test_plain_keras_policy_auto_scale_off_and_bfloat16():
     keras.config.set_dtype_policy("mixed_float16")  # no keras_mp policy in sight
     plain = _model()

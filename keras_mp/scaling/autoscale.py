@@ -162,6 +162,34 @@ def stock_scaler_message(model: keras.Model) -> str | None:
     )
 
 
+def unscaled_train_step_message(model: keras.Model) -> str | None:
+    """A warning when `model`'s own `train_step` never calls `scale_loss`, else None.
+
+    Keras' `LossScaleOptimizer` divides every gradient by its scale (32768 at the start):
+    gradients of a loss that was never scaled come out 32768 times too small, and the run
+    stalls with a finite loss (keras.io's guides write `train_step` without `scale_loss`).
+    """
+    import inspect
+
+    step = type(model).train_step
+    if step is keras.Model.train_step:
+        return None
+    try:
+        source = inspect.getsource(step)
+    except (OSError, TypeError):
+        return None  # no source to read: say nothing rather than guess
+    if "scale_loss" in source:
+        return None
+    return (
+        f"Model {model.name!r} has its own train_step, which never calls "
+        "`self.optimizer.scale_loss(loss)`, under Keras' own LossScaleOptimizer: "
+        "Keras divides the gradients by the loss scale (32768 at the "
+        "start), so this model's updates come out 32768 times too small and training "
+        "stalls. Pass the plain optimizer (keras_mp wraps it in kmp.LossScaleOptimizer, "
+        "which scales only what was scaled), or scale the loss in train_step."
+    )
+
+
 def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> None:
     import keras_mp.scaling.optimizer_guard as optimizer_guard
     from keras_mp.lean import LeanOptimizer
@@ -210,7 +238,11 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
     passed = arguments.get("optimizer")
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):
         if isinstance(passed, keras.optimizers.LossScaleOptimizer):  # the user's choice
-            warnings.warn(stock_scaler_message(model), UserWarning, stacklevel=3)
+            unscaled = unscaled_train_step_message(model)
+            if unscaled:
+                warnings.warn(unscaled, UserWarning, stacklevel=3)
+            else:
+                warnings.warn(stock_scaler_message(model), UserWarning, stacklevel=3)
             optimizer_guard.exempt(opt.inner_optimizer)
             return
         own_step = type(model).train_step is not keras.Model.train_step
