@@ -31,13 +31,15 @@ KNOWN: dict[str, dict[str, list[int]]] = {
     "H2-label-finite-keras-jax": {"jax": [18]},
     # a divergence at a too-high learning rate with no guard callback in `fit`:
     # kmp.callbacks.CollapseGuard / DivergenceGuard name the learning rate, but only when added
-    "H6-high-lr-no-callback": {"tensorflow": [22, 34, 36, 48], "jax": [22, 34, 36]},
+    "H6-high-lr-no-callback": {"tensorflow": [22, 34, 36, 48, 213], "jax": [22, 34, 36]},
     "H10-pure-float16-rnn-init-jax": {"jax": [38]},
     # built under Keras' mixed_float16, a frozen sub-model, converted to mixed_bfloat16,
     # trained by a train_step override: final loss 0.27-0.32 off float32's, no word
     "H11-keras16-frozen-train-step": {"tensorflow": [44], "jax": [44]},
     # Keras' pure "float16" trained by a GradientTape loop: no compile warning reaches it
     "H12-pure-float16-tape": {"tensorflow": [49]},
+    # converted twice (mixed_float16, then mixed_bfloat16), trained by a GradientTape loop
+    "H13-twice-convert-tape": {"tensorflow": [209]},
 }
 
 
