@@ -21,7 +21,10 @@ EXAMPLES = ROOT / "examples"
 # example -> text its output must contain (checked after a successful run)
 TF_EXAMPLES = {
     "cnn_fit": ["logits                 mixed_float16", "validation accuracy", "skipped steps"],
-    "transformer_fp32_softmax": ["its softmax is keras_mp.layers.Softmax", "validation accuracy"],
+    "transformer_fp32_softmax": [
+        "its softmax is keras_mp.numerics.layers.Softmax",
+        "validation accuracy",
+    ],
     "custom_loop_tf": ["true grad norm       inf", "steps skipped"],
     "convert_fp32_model": ["weights carried over exactly: True", "probs                  float32"],
     "export_saved_model": ["signature input float32", "output float32"],

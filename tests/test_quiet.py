@@ -97,6 +97,11 @@ def test_importing_keras_mp_leaves_plain_keras_code_as_it_was():
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert runs["with"] == runs["without"]
+    # The one word keras_mp adds (issue 52): under Keras' own mixed policy the model's
+    # outputs are float16, which a softmax sampled on the host does not sum to 1 in
+    added = [w for w in runs["with"]["shown"] if w not in runs["without"]["shown"]]
+    assert added == ["Model 'sequential' returns float16 outputs (Keras' own 'mixe"], added
+    runs["with"]["shown"] = [w for w in runs["with"]["shown"] if w not in added]
+    assert runs["with"] == runs["without"]  # computes, wraps and otherwise warns the same
     assert runs["with"]["optimizer"].endswith("LossScaleOptimizer")  # Keras' own wrapping
     assert "keras_mp" not in runs["with"]["optimizer"]
