@@ -232,6 +232,7 @@ def _saved_model(tmp_path):
     return path, npz
 
 
+@pytest.mark.slow  # 34 s; calibration's fix is also tested by test_audit_fix_writes_...
 @pytest.mark.tf_only  # float16 on JAX's CPU: no dot
 def test_compare_t5_shows_the_float16_overflow_and_the_calibrated_fix(tmp_path, capsys):
     results, _ = _compare(tmp_path, "--model", "t5")
