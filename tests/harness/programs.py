@@ -313,7 +313,9 @@ def _error_of(e: BaseException) -> dict:
     return {
         "type": type(e).__name__,
         "module": type(e).__module__,
-        "message": message[:4000],
+        # head and tail: a graph error's own text (an assertion's message) comes last,
+        # after the traceback of where the op was defined, which pytest makes long
+        "message": message if len(message) <= 4000 else f"{message[:2000]}\n...\n{message[-2000:]}",
         "frames": frames,
         "graph_sites": [(path, int(line)) for path, line in sites if path.startswith(KMP_DIR)],
     }
