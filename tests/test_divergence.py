@@ -128,3 +128,49 @@ def test_divergence_guard_alone_fires_under_async_dispatch():
     guard = kmp.callbacks.DivergenceGuard()
     _model("mixed_bfloat16", 1e3).fit(x, y, batch_size=32, epochs=10, verbose=0, callbacks=[guard])
     assert guard.cause == "learning_rate" and guard.stopped_step <= 40
+
+
+# -------------------------------------------------- fit's default check (issue 52, H6)
+
+
+def _fit_warnings(model, x, y, **kwargs):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=32, epochs=10, verbose=0, **kwargs)
+    words = [str(w.message) for w in seen if "divergence check" in str(w.message)]
+    return history, words
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "lean_bfloat16"])
+def test_fit_warns_of_a_divergence_with_no_callback_and_runs_on(policy):
+    """Harness finding H6: lr 1e3 under bfloat16 ran all its steps to chance accuracy with
+    no word when `fit` had no keras_mp callback. fit's default check warns once, naming the
+    learning rate, and changes nothing: all 10 epochs run."""
+    x, y = _data()
+    history, words = _fit_warnings(_model(policy, 1e3), x, y)
+    assert len(history.history["loss"]) == 10
+    assert len(words) == 1, words
+    assert "the learning rate (1000) is too high" in words[0]
+    assert "KERAS_MP_FIT_GUARD=0" in words[0] and "DivergenceGuard()" in words[0]
+
+
+def test_fit_default_check_leaves_float32_own_guards_and_opt_out(monkeypatch):
+    x, y = _data()
+    # float32: Keras' fit as it is
+    assert _fit_warnings(_model("float32", 1e3), x, y)[1] == []
+    # the user's own guard stops the run; no second word from the default one
+    guard = kmp.callbacks.DivergenceGuard()
+    history, words = _fit_warnings(_model("mixed_bfloat16", 1e3), x, y, callbacks=[guard])
+    assert guard.stopped_step is not None and len(history.history["loss"]) < 10
+    assert words == []
+    monkeypatch.setenv("KERAS_MP_FIT_GUARD", "0")
+    assert _fit_warnings(_model("mixed_bfloat16", 1e3), x, y)[1] == []
+
+
+def test_fit_default_check_is_quiet_on_healthy_training():
+    x, y = _data()
+    history, words = _fit_warnings(_model("mixed_bfloat16", 1e-2), x, y)
+    assert words == []
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]

@@ -95,6 +95,8 @@ def test_import_hides_tensorflow_info_lines_unless_the_user_chose_a_level():
         "user_pins": True,
         "normalization_adapt": True,
         "added_losses": True,
+        "fit_guard": True,
+        "orthogonal_float32": True,
     }
     assert out["optimizer"] == "LossScaleOptimizer"
 
@@ -112,5 +114,28 @@ def test_keras_mp_no_patch_changes_nothing():
         "user_pins": False,
         "normalization_adapt": False,
         "added_losses": False,
+        "fit_guard": False,
+        "orthogonal_float32": False,
     }
     assert out["optimizer"] == "Adam"  # Keras' compile: pass kmp.LossScaleOptimizer yourself
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_orthogonal_weights_in_low_precision_are_drawn_in_float32(dtype):
+    """Harness finding H10: an LSTM under Keras' pure "float16" on JAX could not be built
+    (jaxlib's QR has no float16; no backend has a bfloat16 one). The matrix is drawn in
+    float32 and cast: the float32 draw's values, rounded."""
+    init = keras.initializers.Orthogonal(seed=3)
+    low = keras.ops.convert_to_numpy(keras.ops.cast(init((16, 16), dtype=dtype), "float32"))
+    exact = keras.ops.convert_to_numpy(keras.initializers.Orthogonal(seed=3)((16, 16)))
+    step = {"float16": 2**-11, "bfloat16": 2**-8}[dtype]  # half a unit in the last place
+    np.testing.assert_allclose(low, exact, rtol=step, atol=0)
+    np.testing.assert_allclose(low.T @ low, np.eye(16), atol=20 * step)
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype)
+    try:
+        lstm = keras.layers.LSTM(4)
+        lstm(np.zeros((2, 5, 3), dtype))
+    finally:
+        keras.config.set_dtype_policy(previous)
+    assert lstm.cell.recurrent_kernel.dtype == dtype

@@ -11,6 +11,13 @@ converted or not:
 - every Keras optimizer's `apply` and `stateless_apply` check once, on first use, that
   they do not update float16 or lean bfloat16 weights unwrapped (`keras_mp.scaling.optimizer_guard`:
   one warning, nothing changed).
+- Keras' own `LossScaleOptimizer` marks each `scale_loss` call and warns, the first time it
+  applies gradients of a step that made none (a loop written for float32), that it divides
+  them by the loss scale: updates 32768 times too small (`keras_mp.scaling.optimizer_guard`).
+- `keras.Model.fit` adds `DivergenceGuard(action="warn")` to the callbacks of a model
+  training in float16/bfloat16 that has no divergence check of its own: a learning rate far
+  too high gets one warning naming it; the run is not changed (`keras_mp.observe.fit_guard`;
+  `KERAS_MP_FIT_GUARD=0` turns it off).
 - `keras.models.clone_model` warns once when the model it copies has bfloat16 weights: a
   moving average kept in the copy and updated with `assign` stalls in bfloat16
   (`keras_mp.lean.ema`; `kmp.lean.ema_update` is the fix). The copy is made as before.
@@ -28,6 +35,9 @@ converted or not:
 - `Layer.add_loss` casts a float16/bfloat16 loss to float32, and Keras' built-in
   regularizers compute from float32: `model.losses` is float32 under every policy
   (`keras_mp.numerics.added_losses`).
+- `keras.initializers.Orthogonal` draws float16/bfloat16 weights in float32 and casts them
+  (neither backend has a low-precision QR: an `LSTM` cannot be built under pure `"float16"`
+  on JAX, nor with bfloat16 variables anywhere) (`keras_mp.numerics.initializers`).
 - on TensorFlow, `tf.distribute`'s collective broadcasts send the bfloat16, int8 and uint8
   values TensorFlow refuses as float32/int32 (`keras_mp.tf.distribute`); others untouched.
 - where keras_mp is what imports TensorFlow and `TF_CPP_MIN_LOG_LEVEL` is unset, it is set
@@ -118,18 +128,22 @@ def install() -> None:
     import keras_mp.keep_list.user_pins as user_pins
     import keras_mp.lean.ema as lean_ema
     import keras_mp.numerics.added_losses as added_losses
+    import keras_mp.numerics.initializers as initializers
     import keras_mp.numerics.normalization_adapt as normalization_adapt
     import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
     import keras_mp.scaling.autoscale as autoscale
     import keras_mp.scaling.optimizer_guard as optimizer_guard
+    from keras_mp.observe import fit_guard
 
     autoscale.install()
+    fit_guard.install()
     optimizer_guard.install()
     lean_ema.install()
     sublayer_dtypes.install()
     user_pins.install()
     normalization_adapt.install()
     added_losses.install()
+    initializers.install()
     if keras.backend.backend() == "tensorflow":
         from keras_mp.tf.distribute import widen_collective_broadcasts
 
@@ -142,11 +156,15 @@ def uninstall() -> None:
     import keras_mp.keep_list.user_pins as user_pins
     import keras_mp.lean.ema as lean_ema
     import keras_mp.numerics.added_losses as added_losses
+    import keras_mp.numerics.initializers as initializers
     import keras_mp.numerics.normalization_adapt as normalization_adapt
+    import keras_mp.observe.fit_guard as fit_guard
     import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
-    from keras_mp.keras_glue.keras_internals import BaseOptimizer, Trainer
+    import keras_mp.scaling.optimizer_guard as optimizer_guard
+    from keras_mp.keras_glue.keras_internals import Trainer
 
     added_losses.uninstall()
+    initializers.uninstall()
     user_pins.uninstall()
     normalization_adapt.uninstall()
     lean_ema.uninstall()
@@ -154,23 +172,24 @@ def uninstall() -> None:
     compile_ = Trainer.compile
     if getattr(compile_, "_keras_mp_autoscale", False):
         Trainer.compile = compile_.__wrapped__
-    for name in _APPLY:
-        method = getattr(BaseOptimizer, name)
-        if getattr(method, "_keras_mp_guard", False):
-            setattr(BaseOptimizer, name, method.__wrapped__)
+    optimizer_guard.uninstall()
+    fit_guard.uninstall()
 
 
 def installed() -> dict:
     """What is installed now: `{"compile": bool, "optimizer_apply": bool,
     "collective_broadcasts": bool or None, "clone_model": bool, "sublayer_dtypes": bool,
-    "user_pins": bool, "normalization_adapt": bool, "added_losses": bool}`
+    "user_pins": bool, "normalization_adapt": bool, "added_losses": bool,
+    "fit_guard": bool, "orthogonal_float32": bool}`
     (None: TensorFlow is not imported)."""
     import keras_mp.keep_list.user_pins as user_pins
     import keras_mp.lean.ema as lean_ema
     import keras_mp.numerics.added_losses as added_losses
+    import keras_mp.numerics.initializers as initializers
     import keras_mp.numerics.normalization_adapt as normalization_adapt
     import keras_mp.saving.sublayer_dtypes as sublayer_dtypes
     from keras_mp.keras_glue.keras_internals import BaseOptimizer, Trainer
+    from keras_mp.observe import fit_guard
 
     out = {
         "compile": bool(getattr(Trainer.compile, "_keras_mp_autoscale", False)),
@@ -183,6 +202,8 @@ def installed() -> dict:
         "user_pins": user_pins.installed(),
         "normalization_adapt": normalization_adapt.installed(),
         "added_losses": added_losses.installed(),
+        "orthogonal_float32": initializers.installed(),
+        "fit_guard": fit_guard.installed(),
     }
     if "tensorflow" in sys.modules and sys.modules["tensorflow"] is not None:
         from tensorflow.python.ops import collective_ops

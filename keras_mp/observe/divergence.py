@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -218,12 +219,29 @@ def float16_weight_overflows(model) -> list[str]:
     return out
 
 
+def _current(model, variable):
+    """`variable`'s value; during `fit` on JAX, from the training state (Keras frees the
+    optimizer's own variables' values while it runs)."""
+    state = getattr(model, "_jax_state", None)
+    if state and not getattr(model, "_jax_state_synced", True):
+        for v, value in zip(model.optimizer.variables, state.get("optimizer_variables") or ()):
+            if v is variable:
+                return value
+    return variable.value
+
+
 def learning_rate(model) -> float | None:
     """The optimizer's current learning rate (a schedule's value at this step), or None."""
     opt = getattr(model, "optimizer", None)
-    opt = getattr(opt, "inner_optimizer", opt)
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        opt = opt.inner_optimizer  # kmp.LeanOptimizer keeps its own
     try:
-        return float(keras.ops.convert_to_numpy(opt.learning_rate))
+        lr = opt._learning_rate
+        if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+            lr = lr(_current(model, opt.iterations))
+        elif isinstance(lr, keras.Variable):
+            lr = _current(model, lr)
+        return float(keras.ops.convert_to_numpy(lr))
     except Exception:  # noqa: BLE001 - a custom optimizer without one
         return None
 
@@ -321,7 +339,9 @@ class DivergenceGuard(keras.callbacks.Callback):
             be climbed, in (0, 1].
         patience: consecutive risen steps before firing.
         min_steps: batches of each epoch before its running mean is judged.
-        action: `"stop"` (set `model.stop_training`, log) or `"raise"` (`DivergenceError`).
+        action: `"stop"` (set `model.stop_training`, log), `"raise"` (`DivergenceError`)
+            or `"warn"` (one `UserWarning`, training goes on: what `fit` adds by default
+            to a low-precision model, `keras_mp.observe.fit_guard`).
 
     Example:
 
@@ -332,6 +352,7 @@ class DivergenceGuard(keras.callbacks.Callback):
     """
 
     async_safe = True
+    warning_prefix = "DivergenceGuard: "
 
     def __init__(
         self,
@@ -356,7 +377,7 @@ class DivergenceGuard(keras.callbacks.Callback):
         self.rise_fraction = float(rise_fraction)
         self.patience = positive_int("DivergenceGuard", "patience", patience)
         self.min_steps = positive_int("DivergenceGuard", "min_steps", min_steps)
-        self.action = choice("DivergenceGuard", "action", action, ("stop", "raise"))
+        self.action = choice("DivergenceGuard", "action", action, ("stop", "raise", "warn"))
         self.diagnosis: str | None = None
         self.cause: str | None = None
         self.stopped_step: int | None = None
@@ -391,6 +412,9 @@ class DivergenceGuard(keras.callbacks.Callback):
         )
         if self.action == "raise":
             raise DivergenceError(self.diagnosis)
+        if self.action == "warn":
+            warnings.warn(self.warning_prefix + self.diagnosis, UserWarning, stacklevel=2)
+            return
         logger.warning("DivergenceGuard stops training. %s", self.diagnosis)
         model.stop_training = True
 

@@ -241,6 +241,7 @@ def _after_compile(model, arguments: dict, optimizer_passed: bool = True) -> Non
             unscaled = unscaled_train_step_message(model)
             if unscaled:
                 warnings.warn(unscaled, UserWarning, stacklevel=3)
+                opt._keras_mp_warned_unscaled = True  # said here: not again at its apply
             else:
                 warnings.warn(stock_scaler_message(model), UserWarning, stacklevel=3)
             optimizer_guard.exempt(opt.inner_optimizer)

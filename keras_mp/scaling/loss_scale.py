@@ -173,6 +173,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         config = self.loss_scale_config
         return not config.dynamic and config.initial_scale == 1.0
 
+    # Read by keras_mp.scaling.optimizer_guard: no warning about Keras' division is due.
+    tells_unscaled_gradients = True
+
     def scale_loss(self, loss):
         """Multiplies `loss` by the current scale, and marks this step's gradients scaled.
 

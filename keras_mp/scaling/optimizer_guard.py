@@ -18,6 +18,14 @@ such a tag (or are bfloat16 under the global `"lean_bfloat16"` policy, or float3
 global `"mixed_float16"`, Keras' as well as keras_mp's), and warn once naming the
 wrapper. keras_mp's own wrappers, and the optimizers they wrap, are exempt;
 so is an optimizer compiled with `auto_scale_loss=False`.
+
+Keras' own `LossScaleOptimizer` divides every gradient it applies by its loss scale (32768
+at the start), whether or not the loss was scaled: a training loop or `train_step` written
+for float32 (keras.io's guides) that never calls `optimizer.scale_loss(loss)` gets updates
+32768 times too small, and training stalls with a finite loss. `install()` also marks each
+`scale_loss` call, and Keras' wrapper warns the first time it applies gradients of a step
+that called none (`kmp.LossScaleOptimizer` applies such gradients as they are, with a
+warning of its own).
 """
 
 from __future__ import annotations
@@ -29,8 +37,16 @@ import warnings
 import keras
 
 from keras_mp.keras_glue.keras_internals import BaseOptimizer
+from keras_mp.scaling.loss_scale_marks import mark_scaled, take_scaled
 
-__all__ = ["exempt", "install", "mark", "plain_optimizer_message"]
+__all__ = [
+    "exempt",
+    "install",
+    "mark",
+    "plain_optimizer_message",
+    "uninstall",
+    "unscaled_loss_message",
+]
 
 LEAN, FLOAT16 = "lean", "float16"
 _TAG = "_keras_mp_needs"
@@ -108,6 +124,34 @@ def plain_optimizer_message(optimizer, needs: str) -> str:
     )
 
 
+def unscaled_loss_message(optimizer) -> str:
+    """What Keras' `LossScaleOptimizer` `optimizer` does to gradients of an unscaled loss."""
+    scale = getattr(optimizer, "initial_scale", None)
+    scale = f"{scale:g}" if isinstance(scale, (int, float)) else "the scale"
+    return (
+        f"Keras' LossScaleOptimizer {optimizer.name!r} applies gradients of a loss that was "
+        "never scaled (`optimizer.scale_loss(loss)` was not called since its last step, as "
+        "in a training loop or train_step written for float32): it divides them by the loss "
+        f"scale ({scale} at the start), so every update comes out that many times too small "
+        "and training stalls. Scale the loss inside the tape, `loss = "
+        "optimizer.scale_loss(loss)`, before taking the gradients, or use "
+        "kmp.LossScaleOptimizer(inner), which applies gradients of an unscaled loss as "
+        "they are (see docs/custom-training.md)."
+    )
+
+
+def _check_scaled(optimizer) -> None:
+    """Before Keras' own `LossScaleOptimizer` applies: warns once when no `scale_loss` call
+    came since its last step (read while the step is traced, or run eagerly)."""
+    if getattr(optimizer, "tells_unscaled_gradients", False):
+        return  # kmp.LossScaleOptimizer: applies gradients of an unscaled loss as they are
+    scaled = take_scaled(optimizer)
+    if scaled or getattr(optimizer, "_keras_mp_warned_unscaled", False):
+        return
+    optimizer._keras_mp_warned_unscaled = True
+    warnings.warn(unscaled_loss_message(optimizer), UserWarning, stacklevel=4)
+
+
 def _check(optimizer) -> None:
     if getattr(optimizer, "_keras_mp_checked", False) or getattr(optimizer, _EXEMPT, False):
         return
@@ -126,6 +170,8 @@ def _guarded(method):
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         depth = getattr(_DEPTH, "value", 0)
+        if depth == 0 and isinstance(self, keras.optimizers.LossScaleOptimizer):
+            _check_scaled(self)
         _DEPTH.value = depth + 1
         try:
             result = method(self, *args, **kwargs)
@@ -139,14 +185,38 @@ def _guarded(method):
     return guarded
 
 
+def _marking(scale_loss):
+    @functools.wraps(scale_loss)
+    def marked(self, loss):
+        mark_scaled(self)
+        return scale_loss(self, loss)
+
+    marked._keras_mp_guard = True
+    return marked
+
+
 def install() -> None:
     """Makes `apply` and `stateless_apply` of every Keras optimizer check once (idempotent).
 
     Keras' `LossScaleOptimizer` defines its own: they are wrapped too, so that the optimizer
-    it wraps (given scaled gradients) counts as applied inside it, and is not checked.
+    it wraps (given scaled gradients) counts as applied inside it, and is not checked; its
+    `scale_loss` marks the step scaled.
     """
+    cls = keras.optimizers.LossScaleOptimizer
+    if not getattr(cls.__dict__["scale_loss"], "_keras_mp_guard", False):
+        cls.scale_loss = _marking(cls.__dict__["scale_loss"])
     for cls in (BaseOptimizer, keras.optimizers.LossScaleOptimizer):
         for name in ("apply", "stateless_apply"):
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "_keras_mp_guard", False):
                 setattr(cls, name, _guarded(method))
+
+
+def uninstall() -> None:
+    """Gives the optimizers Keras' own `apply`, `stateless_apply` and `scale_loss` back
+    (idempotent)."""
+    for cls in (BaseOptimizer, keras.optimizers.LossScaleOptimizer):
+        for name in ("apply", "stateless_apply", "scale_loss"):
+            method = cls.__dict__.get(name)
+            if method is not None and getattr(method, "_keras_mp_guard", False):
+                setattr(cls, name, method.__wrapped__)

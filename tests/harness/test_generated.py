@@ -23,23 +23,13 @@ SAMPLE = list(range(12))
 SWEEP = list(range(12, 312))
 
 # finding id -> {backend: seeds failing with it} (FINDINGS.md says what each is), rechecked
-# after the fixes of issue 52 (2026-12-06): every pre-fix seed of H1-H9 was run again and
-# only these still fail. The sweep's other seeds were not all run: a failure there is news.
+# after the fixes of issue 52 (2026-12-06, second session: H6, H10-H13 fixed): every
+# pre-fix seed was run again and only these still fail. The sweep's other seeds were not
+# all run: a failure there is news.
 KNOWN: dict[str, dict[str, list[int]]] = {
     # Keras' own SparseCategoricalCrossentropy on JAX clamps the gather (float32 too):
     # keras_mp's losses raise or give NaN; Keras' own is not ours to change
     "H2-label-finite-keras-jax": {"jax": [18]},
-    # a divergence at a too-high learning rate with no guard callback in `fit`:
-    # kmp.callbacks.CollapseGuard / DivergenceGuard name the learning rate, but only when added
-    "H6-high-lr-no-callback": {"tensorflow": [22, 34, 36, 48, 213], "jax": [22, 34, 36]},
-    "H10-pure-float16-rnn-init-jax": {"jax": [38]},
-    # built under Keras' mixed_float16, a frozen sub-model, converted to mixed_bfloat16,
-    # trained by a train_step override: final loss 0.27-0.32 off float32's, no word
-    "H11-keras16-frozen-train-step": {"tensorflow": [44], "jax": [44]},
-    # Keras' pure "float16" trained by a GradientTape loop: no compile warning reaches it
-    "H12-pure-float16-tape": {"tensorflow": [49]},
-    # converted twice (mixed_float16, then mixed_bfloat16), trained by a GradientTape loop
-    "H13-twice-convert-tape": {"tensorflow": [209]},
 }
 
 
