@@ -25,6 +25,7 @@ Tolerance (calibrated in FINDINGS.md): the distance of the final epoch's loss fr
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import math
 import os
 import re
@@ -102,10 +103,29 @@ def distance(low: list[float], ref: list[float]) -> float:
     return abs(low[-1] - ref[-1]) / scale
 
 
+# keras_mp's wrappers of Keras' own methods (`import keras_mp` installs them): a frame of
+# one at its call of the wrapped method only passes on what Keras raised.
+PASS_THROUGH = {
+    ("observe/fit_guard.py", "guarded"),
+    ("scaling/optimizer_guard.py", "guarded"),
+    ("scaling/optimizer_guard.py", "marked"),
+    ("scaling/autoscale.py", "compile"),
+}
+
+
+def _pass_through(frame) -> bool:
+    """Whether `frame` (file, line, function or None, text or None) is a wrapper's call."""
+    path = os.path.relpath(frame[0], KMP_DIR).replace(os.sep, "/")
+    text = frame[3] or linecache.getline(frame[0], int(frame[1])).strip()
+    calls_wrapped = re.match(r"(return |result = )?\w+\(self, ", text)
+    known = {(p, f) for p, f in PASS_THROUGH if frame[2] in (None, f)}
+    return any(p == path for p, _ in known) and bool(calls_wrapped)
+
+
 def _error_kind(err: dict) -> tuple[str, str]:
     """(kind, where): `kmp_raise`, `keras_raise`, `kmp_internal` or `raw`."""
     frames = err["frames"]
-    ours = [f for f in frames if f[0].startswith(KMP_DIR)]
+    ours = [f for f in frames if f[0].startswith(KMP_DIR) and not _pass_through(f)]
     where = lambda f: f"{os.path.relpath(f[0], os.path.dirname(KMP_DIR))}:{f[1]} ({f[2]})"
     deliberate = lambda f: f[3].startswith("raise ") and bool(err["message"].strip())
     innermost = frames[-1] if frames else None
@@ -117,6 +137,7 @@ def _error_kind(err: dict) -> tuple[str, str]:
     defined = err.get("graph_sites") or re.findall(
         r"File \"([^\"]*keras_mp[^\"]*)\", line (\d+)", err["message"]
     )
+    defined = [(p, line) for p, line in defined if not _pass_through((p, line, None, None))]
     if defined:
         path, line = defined[-1]
         site = f"{path.split('keras_mp' + os.sep, 1)[-1]}:{line} (graph op)"

@@ -105,3 +105,10 @@ def test_oracle_error_kinds():
     assert oracle._error_kind(inner)[0] == "kmp_internal"
     raw = dict(err, frames=[("/site-packages/tensorflow/x.py", 1, "f", "raise e")])
     assert oracle._error_kind(raw)[0] == "raw"
+    # keras_mp's wrapper of Keras' fit only passes on what Keras raised (seed 227: Keras'
+    # own loss refuses a bad label under float16 and float32 alike)
+    fit_frame = (programs.KMP_DIR + "observe/fit_guard.py", 104, "guarded", "return fit(self, *a)")
+    passed = dict(raw, frames=[fit_frame, *raw["frames"]])
+    assert oracle._error_kind(passed)[0] == "raw"
+    own = (programs.KMP_DIR + "observe/fit_guard.py", 80, "guarded", "added = list(callbacks)")
+    assert oracle._error_kind(dict(raw, frames=[own, *raw["frames"]]))[0] == "kmp_internal"
