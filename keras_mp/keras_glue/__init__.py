@@ -11,6 +11,7 @@
 - `archive`: a `.keras` file's archive checked and its config read, without Keras.
 - `source_handles`: a converted copy's weak references to the source model's layers, read
   by the compile patch.
+- `scoped`: a change to Keras installed for one `with` block only.
 
 Nothing is imported here: `patches` must run before Keras loads (it sets TensorFlow's log
 level), and importing `keras_internals` imports Keras.
@@ -23,5 +24,6 @@ __all__ = [
     "keras_internals",
     "patches",
     "quiet",
+    "scoped",
     "source_handles",
 ]

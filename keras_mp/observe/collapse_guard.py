@@ -31,6 +31,7 @@ from keras_mp.observe.telemetry import (
     Telemetry,
     choice,
     positive_int,
+    stop_or_raise,
     unscaled_reason,
 )
 
@@ -268,10 +269,9 @@ class CollapseGuard(keras.callbacks.Callback):
         return culprits + locate, False
 
     def _stop(self):
-        if self.action == "raise":
-            raise LossScaleCollapseError(self.diagnosis)
-        logger.warning("CollapseGuard stops training. %s", self.diagnosis)
-        self.model.stop_training = True
+        stop_or_raise(
+            "CollapseGuard", self.action, self.model, self.diagnosis, LossScaleCollapseError
+        )
 
     @classmethod
     def from_config(cls, config):

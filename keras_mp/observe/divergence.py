@@ -36,7 +36,7 @@ import warnings
 import keras
 import numpy as np
 
-from keras_mp.observe.telemetry import choice, positive_int
+from keras_mp.observe.telemetry import choice, positive_int, stop_or_raise
 
 __all__ = [
     "DEFAULT_PATIENCE",
@@ -410,13 +410,10 @@ class DivergenceGuard(keras.callbacks.Callback):
         self.cause, self.diagnosis = divergence_diagnosis(
             model, self.trend, self._norm0, self.stopped_step
         )
-        if self.action == "raise":
-            raise DivergenceError(self.diagnosis)
         if self.action == "warn":
             warnings.warn(self.warning_prefix + self.diagnosis, UserWarning, stacklevel=2)
             return
-        logger.warning("DivergenceGuard stops training. %s", self.diagnosis)
-        model.stop_training = True
+        stop_or_raise("DivergenceGuard", self.action, model, self.diagnosis, DivergenceError)
 
     @classmethod
     def from_config(cls, config):

@@ -29,6 +29,7 @@ from keras_mp.observe.telemetry import (
     counting_optimizer,
     nonfinite_weights,
     positive_int,
+    stop_or_raise,
 )
 
 __all__ = ["NonFiniteGuard", "recalibration_hint"]
@@ -283,10 +284,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         self._stop(model)
 
     def _stop(self, model):
-        if self.action == "raise":
-            raise FloatingPointError(self.diagnosis)
-        logger.warning("NonFiniteGuard stops training. %s", self.diagnosis)
-        model.stop_training = True
+        stop_or_raise("NonFiniteGuard", self.action, model, self.diagnosis, FloatingPointError)
 
     @classmethod
     def from_config(cls, config):

@@ -30,6 +30,7 @@ __all__ = [
     "loss_scale_optimizer",
     "nonfinite_weights",
     "positive_int",
+    "stop_or_raise",
     "unscaled_reason",
 ]
 
@@ -279,3 +280,12 @@ def choice(owner: str, name: str, value, choices) -> str:
             f"{owner}: `{name}` must be one of {', '.join(map(repr, choices))}, got {value!r}."
         )
     return value
+
+
+def stop_or_raise(owner: str, action: str, model, diagnosis: str, error: type) -> None:
+    """What a guard does when it fires: `action="raise"` raises `error(diagnosis)`,
+    `"stop"` logs the diagnosis and sets `model.stop_training`."""
+    if action == "raise":
+        raise error(diagnosis)
+    logger.warning("%s stops training. %s", owner, diagnosis)
+    model.stop_training = True

@@ -30,7 +30,6 @@ outputs were no longer float32. `install()` closes that:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
@@ -38,6 +37,7 @@ import weakref
 import keras
 
 from keras_mp.keras_glue.keras_internals import Functional, Sequential
+from keras_mp.keras_glue.scoped import installed_for_block
 
 __all__ = [
     "applied",
@@ -275,14 +275,6 @@ def uninstall() -> None:
             setattr(cls, name, classmethod(inherited) if is_class else inherited)
 
 
-@contextlib.contextmanager
 def scope():
     """`install()` for the duration of a `with` block (nothing to do if installed)."""
-    if installed():
-        yield
-        return
-    install()
-    try:
-        yield
-    finally:
-        uninstall()
+    return installed_for_block(install, uninstall, installed)

@@ -20,12 +20,12 @@ with `KERAS_MP_NO_PATCH=1` too).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import keras
 
 import keras_mp.saving.plan as load_plan
+from keras_mp.keras_glue.scoped import installed_for_block
 
 __all__ = ["install", "installed", "scope", "uninstall"]
 
@@ -97,14 +97,6 @@ def uninstall() -> None:
             keras.layers.Layer.from_config = classmethod(inherited)
 
 
-@contextlib.contextmanager
 def scope():
     """`install()` for the duration of a `with` block (nothing to do if installed)."""
-    if installed():
-        yield
-        return
-    install()
-    try:
-        yield
-    finally:
-        uninstall()
+    return installed_for_block(install, uninstall, installed)
