@@ -174,3 +174,28 @@ def test_bilinear_resize_whose_xla_gradient_fails_is_pinned_and_the_model_trains
     assert converted.get_layer("conv2").compute_dtype == "float16"
     converted.compile(optimizer="adam", loss="mse", jit_compile=True)
     assert np.isfinite(converted.train_on_batch(images, targets))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA refuses a traced program")
+def test_a_program_xla_refuses_whole_is_located_by_its_trace_and_pinned():
+    """Harness fresh probe, JAX seed 231: on JAX's CPU, `MultiHeadAttention` under
+    mixed_float16 compiles to a float16 dot with float32 accumulation that XLA's CPU backend
+    refuses ("The precision 'F16_F16_F32' is not supported by dot_general") after every
+    layer's call returned. convert named the whole model and told the user to pin it; the
+    op's trace-time stack names the layer: it is pinned and the model converts and runs."""
+    keras.utils.set_random_seed(0)
+    i = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(20, 16)(i)
+    a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, name="mha")(h, h)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Add()([h, a]))
+    model = keras.Model(i, keras.layers.Dense(3)(h))
+    x = np.random.default_rng(0).integers(0, 20, size=(4, 8)).astype("int32")
+    unchecked = kmp.convert(model, "mixed_float16", check=None)
+    refused = _trial.forward_failure(unchecked, x)
+    converted = kmp.convert(model, "mixed_float16")
+    out = converted.predict(x, verbose=0)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, model.predict(x, verbose=0), atol=2e-2)
+    if refused is not None:  # jaxlib 0.10's CPU backend: the layer is named, then pinned
+        assert refused.address == "mha" and "dot_general" in refused.error
+        assert converted.get_layer("mha").compute_dtype == "float32"

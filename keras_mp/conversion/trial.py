@@ -12,6 +12,9 @@ level.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import traceback
 
 import keras
 import numpy as np
@@ -97,6 +100,38 @@ def _named_in(error: BaseException, where: dict, layers: list):
     return None
 
 
+def _traced_in(error: BaseException, layers: list):
+    """The layer whose own code made the op an error's trace-time stack ends in, or None.
+
+    XLA refuses a traced program as a whole after every layer's call returned (JAX on
+    CPU: "The precision 'F16_F16_F32' is not supported by dot_general"); JAX attaches the
+    Python stack where the op was traced (`JaxStackTraceBeforeTransformation`). Its
+    innermost frame in a method a layer's class defines itself (not Keras' `Layer` or
+    `Model` machinery) names the layer (the first such layer; `repair` pins its kind).
+    """
+    generic = (keras.layers.Layer, keras.Model, keras.Operation)
+    by_file: dict = {}
+    for layer in layers:
+        if isinstance(layer, keras.Model):
+            continue
+        for cls in type(layer).__mro__:
+            if cls in generic or cls is object:
+                continue
+            path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+            if path:
+                by_file.setdefault(os.path.realpath(path), []).append((cls, layer))
+    chain, seen = [], error
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for exc in reversed(chain):  # the deepest cause holds the trace-time stack
+        for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+            for cls, layer in by_file.get(os.path.realpath(frame.filename), ()):
+                if frame.name in cls.__dict__:
+                    return layer
+    return None
+
+
 def _compiled_call(model, x):
     """`model(x)` as `predict` runs it: a `tf.function` on TensorFlow (some ops have no
     float16 kernel in a graph though they run eagerly), `jax.jit` on JAX."""
@@ -146,7 +181,7 @@ def forward_failure(model: keras.Model, x, finite: list | None = None) -> RunFai
         if found:
             layer, inner = found[0]
             return RunFailure(layer, where.get(id(layer)), first_line(inner))
-        layer = _named_in(e, where, layers)
+        layer = _named_in(e, where, layers) or _traced_in(e, layers)
         return RunFailure(layer, where.get(id(layer)), first_line(e))
     if finite is not None:
         finite.append(_all_finite(outputs))
