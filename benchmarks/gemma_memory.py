@@ -128,6 +128,15 @@ MODELS = {
     name: ModelSpec(backbone, task, _kwargs(full), _kwargs(tiny), sequence, block)
     for name, (backbone, task, block, sequence, full, tiny) in _TABLE.items()
 }
+# policy suffixes (`lean@fused+chunked`): issue 54's levers
+SUFFIXES = {
+    "remat": "keras.RematScope(mode='list_of_layers') over the decoder blocks",
+    "recompute": "kmp.recompute_elementwise (matmul and attention outputs saved)",
+    "blocks": "kmp.recompute_blocks: each decoder block recomputed from its inputs",
+    "blocks_matmuls": "kmp.recompute_blocks(save='matmuls'): per block, matmul outputs saved",
+    "fused": "kmp.use_fused_loss (lever 3)",
+    "chunked": "the lean update in row blocks (lever 2)",
+}
 POLICIES = {
     "stock_mixed_bfloat16": "mixed_bfloat16",
     "keras_mp_mixed_bfloat16": "mixed_bfloat16",
@@ -350,6 +359,7 @@ def step_record(
     model_name: str = "gemma2b",
     sequence: int = SEQUENCE,
     peak_dir: str | None = None,
+    batch_size: int | None = None,
 ) -> dict:
     import jax
     import jax.numpy as jnp
@@ -359,9 +369,9 @@ def step_record(
     if base not in POLICIES:
         raise SystemExit(f"unknown policy {base!r}; one of {sorted(POLICIES)}")
     levers = set(suffix.split("+")) if suffix else set()
-    unknown = levers - {"remat", "fused", "chunked"}
+    unknown = levers - set(SUFFIXES)
     if unknown:
-        raise SystemExit(f"unknown policy suffix {sorted(unknown)}; remat, fused, chunked")
+        raise SystemExit(f"unknown policy suffix {sorted(unknown)}; one of {sorted(SUFFIXES)}")
     # issue 54's levers: lever 2 (the lean update in row blocks) is on by default in
     # keras_mp; the rows without `chunked` turn it off to show what it changes
     from keras_mp.lean import chunked
@@ -374,7 +384,17 @@ def step_record(
         from keras_mp.numerics.fused_lm_loss import use_fused_loss
 
         use_fused_loss(model)
+    if "recompute" in levers:  # lever 4: matmul outputs saved, the rest recomputed
+        from keras_mp.memory.recompute import recompute_elementwise
+
+        recompute_elementwise(model)
+    for save in ("inputs", "matmuls"):  # lever 4, the library's way
+        if ("blocks" if save == "inputs" else "blocks_matmuls") in levers:
+            from keras_mp.memory.blocks import recompute_blocks
+
+            recompute_blocks(model, save=save)
     if distribution is None:
+        batch = batch_size or batch
         default = jax.sharding.SingleDeviceSharding(devices[0])
         data_sharding = default
     else:
@@ -419,6 +439,10 @@ def step_record(
         "batch": batch,
         "policy": base,
         "remat": "RematScope(list_of_layers: decoder blocks)" if "remat" in levers else None,
+        "recompute_elementwise": "recompute" in levers,
+        "recompute_blocks": (
+            "matmuls" if "blocks_matmuls" in levers else "inputs" if "blocks" in levers else None
+        ),
         "fused_loss": "fused" in levers,
         "chunked_update": "chunked" in levers,
         "devices": len(devices),
@@ -476,6 +500,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--sequence", type=int, default=None, help="default: the model's")
     parser.add_argument(
+        "--batch", type=int, default=None, help="sequences a step, one device (default 1)"
+    )
+    parser.add_argument(
         "--peak-buffers",
         action="store_true",
         help="also classify the buffers live at the peak (XLA's buffer assignment): "
@@ -523,6 +550,7 @@ def main(argv=None) -> int:
                 args.model,
                 sequence,
                 dump_dir if args.peak_buffers else None,
+                args.batch,
             )
 
         except Exception as error:  # a failed configuration is recorded, with why

@@ -43,6 +43,7 @@ from keras_mp.memory import (  # deprecated aliases
     FitReport,
     MemoryReport,
     estimate_memory,
+    recompute_blocks,
     recompute_elementwise,
     will_it_fit,
 )
@@ -114,6 +115,7 @@ __all__ = [
     "LossScaleOptimizer",
     "lean",
     "state_bytes",
+    "recompute_blocks",
     "recompute_elementwise",
     "activations",
     "formats",
