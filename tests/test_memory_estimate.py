@@ -329,3 +329,41 @@ def test_a_jax_subprocess_that_dies_is_an_error_not_a_report():
     }  # fmt: skip
     fits_not = subprocess.CompletedProcess([], 1, stdout=json.dumps(report) + "\n", stderr="")
     assert _subprocess_report(fits_not)["float32"].fits is False
+
+
+@pytest.mark.slow  # three compiles of a keras_hub model: about 30 s alone, 100 s loaded
+@jax_only
+def test_estimate_memory_compiles_the_step_with_the_levers_asked():
+    """`recompute="blocks"` sizes the step `kmp.recompute_blocks` makes (each decoder block
+    of a tiny keras_hub Llama recomputed from its inputs), `fused_loss=True` the one
+    `kmp.use_fused_loss` makes: other programs than the plain step's, the same weights and
+    state; the report says which levers it was compiled with."""
+    keras_hub = pytest.importorskip("keras_hub")
+    backbone = keras_hub.models.Llama3Backbone(
+        vocabulary_size=512,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=32,
+        intermediate_dim=128,
+    )
+    task = keras_hub.models.Llama3CausalLM(backbone=backbone, preprocessor=None)
+    x = {"token_ids": np.zeros((2, 64), "int32"), "padding_mask": np.ones((2, 64), "int32")}
+    y = np.zeros((2, 64), "int32")
+    reports = {
+        levers: kmp.estimate_memory(task, x, y, policies="lean_bfloat16", **dict(levers))
+        for levers in ((), (("recompute", "blocks"),), (("fused_loss", True),))
+    }
+    rows = {levers: r["lean_bfloat16"] for levers, r in reports.items()}
+    plain = rows[()]
+    for levers, row in rows.items():
+        assert row.error is None, (levers, row.error)
+        assert row.weights_bytes == plain.weights_bytes
+        assert row.optimizer_bytes == plain.optimizer_bytes
+        if levers:
+            assert row.temp_bytes != plain.temp_bytes, levers
+    assert reports[(("recompute", "blocks"),)].recompute == "blocks"
+    assert "with recompute='blocks'" in str(reports[(("recompute", "blocks"),)])
+    assert "with fused_loss=True" in str(reports[(("fused_loss", True),)])
+    with pytest.raises(ValueError, match=r"invalid `recompute`='all'; one of \['blocks'"):
+        kmp.estimate_memory(task, x, y, recompute="all")

@@ -88,9 +88,10 @@ def test_the_decoder_blocks_are_found_and_named_ones_taken():
     for blocks in ("transformer_layer_.*", names, "layers"):
         again = _llama()
         kmp.recompute_blocks(again, find_blocks(again) if blocks == "layers" else blocks)
-        assert sorted(
-            layer.name for layer in again._flatten_layers() if "call" in layer.__dict__
-        ) == names
+        assert (
+            sorted(layer.name for layer in again._flatten_layers() if "call" in layer.__dict__)
+            == names
+        )
 
 
 def test_dropout_blocks_give_the_plain_loss_gradients_and_training():

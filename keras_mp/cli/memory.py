@@ -42,6 +42,7 @@ WORKLOAD_MODELS = ("gpt", "resnet50", "cpu_gpt", "cpu_resnet", "tiny_gpt", "tiny
 COMPARE_MODELS = ("cnn", "mlp", "transformer", "t5")
 MODELS = WORKLOAD_MODELS + COMPARE_MODELS
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "lean_bfloat16")
+RECOMPUTE = ("blocks", "matmuls", "elementwise")  # keras_mp.memory.memory_estimate's
 
 
 def _positive_int(text: str) -> int:
@@ -105,6 +106,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_gib,
         default=None,
         help="kept free for workspaces (default: 1 on a GPU, 0 on a CPU)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default=None,
+        help="compile the step with recomputation: blocks (kmp.recompute_blocks), matmuls "
+        "(the same, matmul outputs kept), elementwise (kmp.recompute_elementwise)",
+    )
+    p.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="compile the step with kmp.use_fused_loss (the loss without the whole logits)",
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON line")
 
@@ -257,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         memory_gib=args.memory_gib,
         headroom_gib=args.headroom_gib,
+        recompute=args.recompute,
+        fused_loss=args.fused_loss,
     )
     if args.model in MODELS:
         report = dataclasses.replace(report, model=args.model)

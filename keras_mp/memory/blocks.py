@@ -169,7 +169,7 @@ def recompute_blocks(
     Example:
 
     >>> task = kmp.convert(keras_hub.models.Llama3CausalLM(...), "lean_bfloat16")  # doctest: +SKIP
-    >>> kmp.recompute_blocks(task)                 # each transformer_layer_* recomputed  # doctest: +SKIP
+    >>> kmp.recompute_blocks(task)  # each transformer_layer_* recomputed  # doctest: +SKIP
     >>> task.compile(optimizer="adamw"); task.fit(x, y)  # doctest: +SKIP
     """
     backend = keras.backend.backend()
@@ -234,9 +234,10 @@ def _recomputed_call(layer, *args, **kwargs):
         full = [next(it) if t else x for x, t in zip(leaves, where)]
         a, k = tree.pack_sequence_as((args, kwargs), full)
         mapping = list(zip(variables, state))
-        with _restored(context), StatelessScope(
-            state_mapping=mapping, collect_losses=True
-        ) as scope:
+        with (
+            _restored(context),
+            StatelessScope(state_mapping=mapping, collect_losses=True) as scope,
+        ):
             out = original(layer, *a, **k)
             after = [scope.get_current_value(v) for v in variables]
         # only what the call changed leaves (a seed, a statistic; never a weight)

@@ -41,9 +41,19 @@ import keras
 
 from keras_mp.keras_glue.extras import require
 
-__all__ = ["DEFAULT_POLICIES", "MemoryReport", "POLICIES", "PolicyMemory", "estimate_memory"]
+__all__ = [
+    "DEFAULT_POLICIES",
+    "MemoryReport",
+    "POLICIES",
+    "PolicyMemory",
+    "RECOMPUTE",
+    "estimate_memory",
+]
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", "lean_bfloat16")
+# `recompute=`: kmp.recompute_blocks (save="inputs"), the same with save="matmuls",
+# kmp.recompute_elementwise
+RECOMPUTE = ("blocks", "matmuls", "elementwise")
 DEFAULT_POLICIES = ("float32", "mixed_bfloat16", "lean_bfloat16")
 GIB = 2**30
 
@@ -83,6 +93,8 @@ class MemoryReport:
         headroom_bytes: kept free for what the step's buffers do not count (workspaces).
         exact: True for XLA:GPU's buffer assignment, False for an XLA:CPU estimate.
         rows: the `PolicyMemory`s, in the order asked.
+        recompute: the recomputation each step was compiled with (`RECOMPUTE`), or None.
+        fused_loss: whether each step took its loss with `kmp.use_fused_loss`.
     """
 
     model: str
@@ -92,6 +104,8 @@ class MemoryReport:
     headroom_bytes: int
     exact: bool
     rows: list
+    recompute: str | None = None
+    fused_loss: bool = False
 
     def __getitem__(self, policy: str) -> PolicyMemory:
         for row in self.rows:
@@ -124,6 +138,7 @@ class MemoryReport:
             f"Train-step memory: {self.model}, batch {self.batch}, on {self.device}",
             f"memory {self.memory_bytes / GIB:.2f} GiB, {self.headroom_bytes / GIB:.2f} GiB "
             f"kept free; peaks {kind}",
+            *self._levers(),
             "",
             f"{'policy':<16}{'peak ' + unit:>10}{'weights':>10}{'optimizer':>11}{'temps':>10}"
             "  fits",
@@ -138,6 +153,11 @@ class MemoryReport:
                 f"{'yes' if r.fits else 'NO'}"
             )
         return "\n".join(lines)
+
+    def _levers(self) -> list:
+        levers = [f"recompute={self.recompute!r}"] if self.recompute else []
+        levers += ["fused_loss=True"] if self.fused_loss else []
+        return [f"with {', '.join(levers)}"] if levers else []
 
 
 def _check_policies(policies) -> tuple:
@@ -219,11 +239,25 @@ class _nothing:
         return False
 
 
-def _measure(model, x, y, policy, optimizer, loss, target, abstract: bool) -> dict:
+def _measure(
+    model, x, y, policy, optimizer, loss, target, abstract: bool, recompute=None, fused=False
+) -> dict:
     from keras_mp.jax.memory import step_memory, unmaterialised
 
     converted = _policy_model(model, policy, abstract)
+    if recompute == "elementwise":  # on the converted model: convert makes a new one
+        from keras_mp.memory.recompute import recompute_elementwise
+
+        recompute_elementwise(converted)
+    elif recompute is not None:
+        from keras_mp.memory.blocks import recompute_blocks
+
+        recompute_blocks(converted, save="inputs" if recompute == "blocks" else "matmuls")
     converted.compile(optimizer=_optimizer(optimizer, policy), loss=loss)
+    if fused:
+        from keras_mp.numerics.fused_lm_loss import use_fused_loss
+
+        use_fused_loss(converted)
     with unmaterialised():
         converted.optimizer.build(converted.trainable_variables)
     return step_memory(converted, x, y, target)
@@ -240,6 +274,8 @@ def estimate_memory(
     device: Any = None,
     memory_gib: float | None = None,
     headroom_gib: float | None = None,
+    recompute: str | None = None,
+    fused_loss: bool = False,
 ) -> MemoryReport:
     """The peak memory of `model`'s train step under each policy, compiled, not run.
 
@@ -265,6 +301,14 @@ def estimate_memory(
         memory_gib: the memory to fit in (e.g. `24` for a 24 GB card); default: the device's.
         headroom_gib: kept free for what the step's buffers do not count (cuDNN/cuBLAS
             workspaces, the allocator's rounding); default 1 GiB on a GPU, 0 on a CPU.
+        recompute: the step with recomputation (issue 54's lever 4), applied to each
+            converted model: `"blocks"` (`kmp.recompute_blocks`: each repeated block, a
+            keras_hub backbone's decoder blocks, recomputed from its inputs), `"matmuls"`
+            (the same, matmul and attention outputs kept) or `"elementwise"`
+            (`kmp.recompute_elementwise`); None (default): none.
+        fused_loss: the step with `kmp.use_fused_loss` (lever 3: the loss from the hidden
+            states, without the whole logits; keras_hub causal LMs and models ending in
+            their vocabulary projection).
 
     Returns:
         A `MemoryReport`: `print` it, index it by policy, or `to_dict()`.
@@ -284,6 +328,10 @@ def estimate_memory(
     ```
     """
     policies = _check_policies(policies)
+    if recompute is not None and recompute not in RECOMPUTE:
+        raise ValueError(
+            f"estimate_memory: invalid `recompute`={recompute!r}; one of {list(RECOMPUTE)} or None."
+        )
     if not isinstance(model, keras.Model) or not model.built:
         raise ValueError(f"estimate_memory: `model` must be a built keras.Model, got {model!r}.")
     for name, value in (("memory_gib", memory_gib), ("headroom_gib", headroom_gib)):
@@ -291,8 +339,9 @@ def estimate_memory(
             raise ValueError(f"estimate_memory: invalid `{name}`={value!r}: a number >= 0.")
     if keras.backend.backend() != "jax":
         return _in_jax_subprocess(
-            model, x, policies, optimizer, loss, device, memory_gib, headroom_gib
-        )
+            model, x, policies, optimizer, loss, device, memory_gib, headroom_gib,
+            recompute, fused_loss,
+        )  # fmt: skip
     from keras_mp.jax.memory import abstract_copy, compile_device
 
     target = compile_device(device)
@@ -309,7 +358,9 @@ def estimate_memory(
     rows = []
     for policy in policies:
         try:
-            m = _measure(source, x, y, policy, optimizer, loss, target, abstract)
+            m = _measure(
+                source, x, y, policy, optimizer, loss, target, abstract, recompute, fused_loss
+            )
         except Exception as error:  # a policy that does not compile is reported, not raised
             rows.append(PolicyMemory(policy, 0, 0, 0, 0, False, f"{type(error).__name__}: {error}"))
             continue
@@ -325,10 +376,15 @@ def estimate_memory(
             )
         )
     batch = [list(t.shape) for t in keras.tree.flatten(x)]
-    return MemoryReport(model.name, batch, target.name, memory, headroom, target.exact, rows)
+    return MemoryReport(
+        model.name, batch, target.name, memory, headroom, target.exact, rows, recompute,
+        bool(fused_loss),
+    )  # fmt: skip
 
 
-def _in_jax_subprocess(model, x, policies, optimizer, loss, device, memory_gib, headroom_gib):
+def _in_jax_subprocess(
+    model, x, policies, optimizer, loss, device, memory_gib, headroom_gib, recompute, fused
+):
     """TensorFlow (or torch): the model saved to a .keras file, sized by `keras-mp memory` under
     `KERAS_BACKEND=jax` in a subprocess."""
     if loss is not None or not isinstance(optimizer, str):
@@ -357,6 +413,10 @@ def _in_jax_subprocess(model, x, policies, optimizer, loss, device, memory_gib, 
             cmd += ["--memory-gib", str(memory_gib)]
         if headroom_gib is not None:
             cmd += ["--headroom-gib", str(headroom_gib)]
+        if recompute is not None:
+            cmd += ["--recompute", recompute]
+        if fused:
+            cmd += ["--fused-loss"]
         env = dict(os.environ, KERAS_BACKEND="jax")
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return _subprocess_report(done)
