@@ -60,7 +60,8 @@ def _loss_and_grads(model, x, y):
             logits, _ = model.stateless_call(trainable, others, x, training=True)
             return _loss(logits, y)
 
-        value, grads = jax.value_and_grad(loss)([v.value for v in model.trainable_variables])
+        step = jax.jit(jax.value_and_grad(loss))
+        value, grads = step([v.value for v in model.trainable_variables])
     else:
         import tensorflow as tf
 
@@ -106,7 +107,6 @@ def test_dropout_blocks_give_the_plain_loss_gradients_and_training():
     assert loss_ours == pytest.approx(loss_plain, rel=1e-6)
     for a, b in zip(grads_plain, grads_ours):
         np.testing.assert_allclose(a, b, atol=1e-6)
-    plain, ours = _llama(0.25), _llama(0.25, recompute="inputs")
     np.testing.assert_allclose(_train(plain, x, y, 2), _train(ours, x, y, 2), rtol=1e-6)
     for a, b in zip(plain.weights, ours.weights):
         np.testing.assert_allclose(
@@ -190,14 +190,12 @@ def test_a_converted_lean_model_trains_as_without_it():
         )
 
 
+@pytest.mark.slow
 @needs_jax
-def test_matmuls_trains_as_plain_and_does_not_nest_with_elementwise():
+def test_matmuls_trains_as_plain():
     x, y = _batch()
     plain, ours = _llama(0.25), _llama(0.25, recompute="matmuls")
     np.testing.assert_allclose(_train(plain, x, y, 2), _train(ours, x, y, 2), rtol=1e-6)
-    cut = kmp.recompute_elementwise(_llama())
-    with pytest.raises(ValueError, match="already cut by recompute_elementwise"):
-        kmp.recompute_blocks(cut)
 
 
 def test_bad_arguments_are_refused_by_name():
@@ -216,4 +214,8 @@ def test_bad_arguments_are_refused_by_name():
     if not JAX:
         with pytest.raises(ValueError, match="save='matmuls' needs a checkpoint policy"):
             kmp.recompute_blocks(model, save="matmuls")
+    else:
+        cut = kmp.recompute_elementwise(_llama())
+        with pytest.raises(ValueError, match="already cut by recompute_elementwise"):
+            kmp.recompute_blocks(cut)
     assert not any("call" in layer.__dict__ for layer in model._flatten_layers())

@@ -291,7 +291,7 @@ class _restored:
         self.context = context
 
     def __enter__(self):
-        self.before = _keras_context()
+        self.before = {k: global_state.get_global_attribute(k) for k in _CONTEXT}  # as they are
         for k, v in self.context.items():
             global_state.set_global_attribute(k, v)
 
