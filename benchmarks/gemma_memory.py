@@ -52,7 +52,10 @@ Suffixes `@fused` (issue 54's lever 3: `keras_mp.numerics.fused_lm_loss.use_fuse
 the loss from the hidden states without the full logits) and `@chunked` (lever 2: the
 lean update of large matrices in row blocks, `keras_mp.lean.chunked`; keras_mp's default,
 turned off with `KERAS_MP_LEAN_CHUNK=0` in every row without it) combine with `+`:
-`lean@fused+chunked`, `lean@remat+fused+chunked`.
+`lean@fused+chunked`, `lean@remat+fused+chunked`. Lever 4 (BENCHMARKS.md section 24):
+`@recompute` (`kmp.recompute_elementwise`), `@blocks` (`kmp.recompute_blocks`: the same
+step as `@remat`, applied to the built model), `@blocks_matmuls` (`save="matmuls"`).
+`--batch N` compiles N sequences a step on one device.
 
 `--tiny` builds a small model (vocabulary 512, 2 layers) to check the pipeline in seconds.
 """
