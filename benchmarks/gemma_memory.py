@@ -462,12 +462,13 @@ def step_record(
         "compile_s": round(time.perf_counter() - start, 1),
     }
     if peak_dir is not None:
-        from peak_memory import peak_buffer_record, phase_peaks
+        from peak_memory import forward_level, peak_buffer_record, phase_peaks
 
         shapes = [s.sharding.shard_shape(s.shape) for s in state[0]]
         hlo_text = compiled.as_text()
         record.update(peak_buffer_record(peak_dir, shapes, hlo_text))
         record.update(phase_peaks(peak_dir, shapes, hlo_text))
+        record["forward_level_gib"] = forward_level(peak_dir, shapes, hlo_text)
     return record
 
 

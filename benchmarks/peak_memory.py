@@ -29,7 +29,13 @@ import os
 import re
 import tempfile
 
-__all__ = ["dump_buffer_assignments", "peak_buffer_record", "peak_values", "phase_peaks"]
+__all__ = [
+    "dump_buffer_assignments",
+    "forward_level",
+    "peak_buffer_record",
+    "peak_values",
+    "phase_peaks",
+]
 
 GIB = 2**30
 _PEAK = re.compile(r"^\s*Live ranges at (\d+) \(peak\):\s*$")
@@ -181,6 +187,52 @@ def phase_peaks(dump_dir: str, shapes: list, hlo_text: str) -> dict:
             key = f"phase_{phase}_{'held' if held else 'freed'}_gib"
             record[key] = round(max(live[a:b], default=0) / GIB, 3)
     return record
+
+
+def forward_level(
+    dump_dir: str, shapes: list, hlo_text: str, backward=r"transpose\(jvp\(\w*backbone"
+) -> float:
+    """The replay's highest level (GiB) before the first value whose `op_name` matches
+    `backward` (default: the backward pass of a keras_hub backbone, not the loss's, which
+    the fused loss makes at the end of the forward pass): the weights and state plus what
+    the forward pass keeps for the backward pass, with the loss's own buffers. Where
+    `phase_peaks`' forward phase is cut short by an early loss value, this is not.
+
+    Args:
+        dump_dir: the directory `dump_buffer_assignments` returned.
+        shapes: the trainable variables' shapes (per device).
+        hlo_text: the compiled module's text.
+        backward: a regular expression for the first backward value's `op_name`.
+
+    Returns:
+        GiB.
+    """
+    files = glob.glob(os.path.join(dump_dir, "*train_step*live-range.txt"))
+    newest = max(files, key=lambda path: int(re.search(r"module_(\d+)", path).group(1)))
+    with open(newest) as f:
+        text = f.read()
+    sizes = {math.prod(shape) for shape in shapes}
+    instructions = _instructions(hlo_text)
+    pattern = re.compile(backward)
+    values, first = [], None
+    for line in text.splitlines():
+        found = _RANGE.match(line)
+        if found:
+            name, index, start, end = found.groups()
+            _, size = _kind(name, index, instructions, sizes)
+            if size:
+                values.append((int(start), int(end), size))
+                if pattern.search(instructions.get(name, ([], ""))[1]):
+                    first = int(start) if first is None else min(first, int(start))
+    if first is None:
+        return 0.0
+    live = [0] * (max(v[1] for v in values) + 2)
+    for start, end, size in values:
+        live[start] += size
+        live[end + 1] -= size
+    for t in range(1, len(live)):
+        live[t] += live[t - 1]
+    return round(max(live[:first], default=0) / GIB, 3)
 
 
 def _kind(name: str, index: str, instructions: dict, sizes: set) -> tuple:
