@@ -52,7 +52,8 @@ Suffixes `@fused` (issue 54's lever 3: `keras_mp.numerics.fused_lm_loss.use_fuse
 the loss from the hidden states without the full logits) and `@chunked` (lever 2: the
 lean update of large matrices in row blocks, `keras_mp.lean.chunked`; keras_mp's default,
 turned off with `KERAS_MP_LEAN_CHUNK=0` in every row without it) combine with `+`:
-`lean@fused+chunked`, `lean@remat+fused+chunked`.
+`lean@fused+chunked`, `lean@remat+fused+chunked`. `@backward` (lever 1: each weight's lean
+update inside the backward pass, `keras_mp.lean.in_backward`): `lean@fused+chunked+backward`.
 
 `--tiny` builds a small model (vocabulary 512, 2 layers) to check the pipeline in seconds.
 """
@@ -359,9 +360,11 @@ def step_record(
     if base not in POLICIES:
         raise SystemExit(f"unknown policy {base!r}; one of {sorted(POLICIES)}")
     levers = set(suffix.split("+")) if suffix else set()
-    unknown = levers - {"remat", "fused", "chunked"}
+    unknown = levers - {"remat", "fused", "chunked", "backward"}
     if unknown:
-        raise SystemExit(f"unknown policy suffix {sorted(unknown)}; remat, fused, chunked")
+        raise SystemExit(
+            f"unknown policy suffix {sorted(unknown)}; remat, fused, chunked, backward"
+        )
     # issue 54's levers: lever 2 (the lean update in row blocks) is on by default in
     # keras_mp; the rows without `chunked` turn it off to show what it changes
     from keras_mp.lean import chunked
@@ -374,6 +377,12 @@ def step_record(
         from keras_mp.numerics.fused_lm_loss import use_fused_loss
 
         use_fused_loss(model)
+    if "backward" in levers:  # lever 1: each weight's lean update in the backward pass
+        from keras_mp.lean import in_backward
+
+        model.optimizer.update_in_backward = True  # the same state; only the step differs
+        in_backward.check(model.optimizer)
+        in_backward.attach(model)
     if distribution is None:
         default = jax.sharding.SingleDeviceSharding(devices[0])
         data_sharding = default
@@ -421,6 +430,7 @@ def step_record(
         "remat": "RematScope(list_of_layers: decoder blocks)" if "remat" in levers else None,
         "fused_loss": "fused" in levers,
         "chunked_update": "chunked" in levers,
+        "update_in_backward": "backward" in levers,
         "devices": len(devices),
         "mesh": mesh if distribution is not None else None,
         "distribution": type(distribution).__name__ if distribution is not None else None,
