@@ -178,6 +178,7 @@ def _llama(in_backward: bool):
 
 
 @jax_only
+@pytest.mark.slow  # two Llama train steps compiled: about 30 s of the CPU alone
 @pytest.mark.filterwarnings("ignore:Layer\\(s\\) .*attention_softmax")
 def test_tiny_llama_matches_the_ordinary_lean_step():
     """keras_hub's Llama-3 (untied head, 65,536-value matrices updated in the backward

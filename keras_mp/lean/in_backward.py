@@ -146,50 +146,51 @@ def _from_carrier(x, dtype):
 
 @functools.cache
 def _stats_tag():
-    """`tag(w, s) = w`; the backward pass gives `s` the gradient's `[sum of squares in
-    float32, 1.0 if not finite]` and `w` no gradient (the first pass asks for none)."""
+    """`tag(w, s, scale, token) = (w, token)`; the backward pass gives `s` the gradient's
+    `[sum of squares in float32, 1.0 if not finite]`, `w` no gradient (the first pass
+    asks for none) and `token` its cotangent once the stats are made (`_chained`)."""
     import jax
     import jax.numpy as jnp
 
     @jax.custom_vjp
-    def tag(w, s, scale):
-        return w
+    def tag(w, s, scale, token):
+        return w, token
 
-    def fwd(w, s, scale):
-        return w, (w, scale)
+    def fwd(w, s, scale, token):
+        return (w, token), (w, scale)
 
-    def bwd(res, g):
-        w, scale = res
+    def bwd(res, cotangents):
+        (g, token), (w, scale) = jax.lax.optimization_barrier((cotangents, res))
         g32 = g.astype("float32")
         if scale is not None:
             g32 = g32 / scale
         stats = jnp.stack(
             [jnp.sum(jnp.square(g32)), 1.0 - jnp.all(jnp.isfinite(g32)).astype("float32")]
         )
-        return jnp.zeros_like(w), stats, None if scale is None else jnp.zeros_like(scale)
+        stats, token = jax.lax.optimization_barrier((stats, token))
+        zero_scale = None if scale is None else jnp.zeros_like(scale)
+        return jnp.zeros_like(w), stats, zero_scale, token
 
     tag.defvjp(fwd, bwd)
     return tag
 
 
 def _update_tag(static, hyper, names: tuple, dtypes: tuple, process):
-    """`tag(w, carriers, scalars) = w`; the backward pass runs the weight's update and
-    gives `w` and `carriers` the new weight and state (`carriers` in `names`' order,
-    stored as `dtypes`), `scalars` zeros."""
+    """`tag(w, carriers, scalars, token) = (w, token)`; the backward pass runs the
+    weight's update and gives `w` and `carriers` the new weight and state (`carriers` in
+    `names`' order, stored as `dtypes`), `scalars` zeros and `token` its cotangent once
+    the update is made (`_chained`)."""
     import jax
 
     @jax.custom_vjp
-    def tag(w, carriers, scalars):
-        return w
+    def tag(w, carriers, scalars, token):
+        return w, token
 
-    def fwd(w, carriers, scalars):
-        return w, (w, carriers, scalars)
+    def fwd(w, carriers, scalars, token):
+        return (w, token), (w, carriers, scalars)
 
-    def bwd(res, g):
-        # This weight's update reads its own copies of the step's scalars: XLA would
-        # otherwise fuse the updates of weights that share them (the finiteness, the
-        # learning rate) into one kernel, run when the last of their gradients is made.
-        g, (w, carriers, scalars) = jax.lax.optimization_barrier((g, res))
+    def bwd(res, cotangents):
+        (g, token), (w, carriers, scalars) = jax.lax.optimization_barrier((cotangents, res))
         values = dict(scalars)
         values.update(
             {n: _from_carrier(c, d) for n, c, d in zip(names, carriers, dtypes)}, weight=w
@@ -197,10 +198,65 @@ def _update_tag(static, hyper, names: tuple, dtypes: tuple, process):
         values.update(process(g, values))
         new = lean_rule(static, hyper, values)
         out = tuple(_to_carrier(new[n]) for n in names)
-        return new["weight"], out, jax.tree.map(_float0_or_zeros, scalars)
+        weight, out, token = jax.lax.optimization_barrier((new["weight"], out, token))
+        return weight, out, jax.tree.map(_float0_or_zeros, scalars), token
 
     tag.defvjp(fwd, bwd)
     return tag
+
+
+def _chained(weights, order, tag_of):
+    """`(tagged weights, token)`: each weight `i` in `order` through `tag_of(i)(w, token)`,
+    one float32 token threaded through them all in that order.
+
+    In the backward pass the token comes back through the tags in the reverse order, each
+    tag's work (its weight's update, or its gradient's stats) behind the previous one's:
+    XLA may then neither merge the work of many weights into one kernel (GPU horizontal
+    fusion: alike updates of every layer would wait for the last of their gradients) nor
+    put one off to the end of the step, holding its gradient. `order` is the order in
+    which the forward pass first reads the weights (`_first_reads`), so each gradient's
+    work waits only for the gradients made before it."""
+    import jax.numpy as jnp
+
+    tagged = list(weights)
+    token = jnp.zeros((), "float32")
+    for i in order:
+        tagged[i], token = tag_of(i)(weights[i], token)
+    return tagged, token
+
+
+def _first_reads(loss, weights) -> list:
+    """The indices of `weights` in the order `loss(weights)`'s forward pass first reads
+    them (from its jaxpr, nested calls followed); weights it never reads come last."""
+    import jax
+
+    specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
+    closed = jax.make_jaxpr(loss)(specs)
+    first: dict = {}
+    clock = [0]
+
+    def walk(jaxpr, names: dict):
+        for eqn in jaxpr.eqns:
+            clock[0] += 1
+            inner = [
+                p.jaxpr if hasattr(p, "jaxpr") and hasattr(p, "consts") else p
+                for p in eqn.params.values()
+            ]
+            inner = [j for j in inner if hasattr(j, "eqns") and len(j.invars) == len(eqn.invars)]
+            for k, var in enumerate(eqn.invars):
+                index = names.get(var) if hasattr(var, "aval") and not hasattr(var, "val") else None
+                if index is None:
+                    continue
+                if inner:  # a nested call: the weight's first read inside it
+                    walk(inner[0], {inner[0].invars[k]: index})
+                first.setdefault(index, clock[0])
+
+    walk(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars)})
+    return sorted(range(len(weights)), key=lambda i: (first.get(i, float("inf")), i))
+
+
+def _stats_call(tag, s, scale, w, token):
+    return tag(w, s, scale, token)
 
 
 def _clipper(optimizer, stats):
@@ -273,12 +329,18 @@ def train_step(model, state, data):
             optimizer_variables=opt_values,
         )
 
+    # The order in which the backward pass makes the gradients: the reverse of the forward
+    # pass's first reads. Each pass threads one token through the weights in that order.
+    order = _first_reads(lambda values: loss_of(values)[0], list(trainable))
+
     # Pass 1: each gradient reduced to its float32 sum of squares and finiteness as made.
     stats_tag = _stats_tag()
 
     def first(stats):
-        tagged = [stats_tag(w, s, scale) for w, s in zip(trainable, stats)]
-        return loss_of(tagged)[0]
+        tagged, token = _chained(
+            trainable, order, lambda i: functools.partial(_stats_call, stats_tag, stats[i], scale)
+        )
+        return loss_of(tagged)[0] + 0.0 * token
 
     zeros = [jnp.zeros((2,), "float32") for _ in variables]
     stats = jax.grad(first)(zeros)
@@ -293,7 +355,7 @@ def train_step(model, state, data):
         lr = ops.cast(opt.learning_rate, "float32")
         clip = _clipper(opt, stats)  # Keras sums the norms in the model's order
         raws = opt._raw_gradients(list(trainable), variables)
-        inputs = []  # per large weight: (static, carriers, scalars, writes, names)
+        inputs = []  # per large weight: (tag, carriers, scalars, writes, names)
         for v, is_big, raw in zip(variables, big, raws):
             if not is_big:
                 inputs.append(None)
@@ -311,11 +373,15 @@ def train_step(model, state, data):
             inputs.append((tag, carriers, scalars, writes, names))
 
     # Pass 2: the large weights' updates in the backward pass; the small ones' gradients.
+    big_order = [i for i in order if inputs[i] is not None]
+
     def second(weights, carriers):
-        tagged = []
-        for w, c, inp in zip(weights, carriers, inputs):
-            tagged.append(w if inp is None else inp[0](w, c, inp[2]))
-        return loss_of(tagged)
+        def tag_of(i):
+            return lambda w, token: inputs[i][0](w, carriers[i], inputs[i][2], token)
+
+        tagged, token = _chained(weights, big_order, tag_of)
+        loss, aux = loss_of(tagged)
+        return loss + 0.0 * token, aux
 
     carriers = [None if inp is None else inp[1] for inp in inputs]
     (_, aux), (news, new_carriers) = jax.value_and_grad(second, argnums=(0, 1), has_aux=True)(
