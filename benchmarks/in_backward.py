@@ -115,7 +115,7 @@ def speed(models, batch, args) -> dict:
         for name, model in models.items():
             start = time.perf_counter()
             model.fit(
-                np.tile(x["token_ids"], (args.steps, 1)),
+                {k: np.tile(v, (args.steps, 1)) for k, v in x.items()},
                 np.tile(y, (args.steps, 1)),
                 batch_size=args.batch,
                 epochs=1,
