@@ -29,6 +29,14 @@ What the step guarantees, as the ordinary lean step does (tests/test_lean_in_bac
   noise and bias correction as the ordinary step: its weights and state are the ordinary
   step's, bit for bit where XLA fuses the same arithmetic alike (the tests' tolerance).
 
+XLA would undo this three ways, each seen in a compiled Llama-3-8B step (BENCHMARKS 23): by
+merging the two passes' identical matmuls (an `optimization_barrier` between the passes
+forbids it), by fusing the alike updates of many layers into one kernel that waits for the
+last of their gradients (each update reads its inputs through a barrier of its own;
+`keras_mp.lean.backward_tags`), and by scheduling the updates late (one token threads them
+in the order the forward pass first reads the weights). Compiled for one H200, Llama-3-8B's
+step goes from 34.91 to 31.42 GiB; XLA still holds activation gradients in the backward pass.
+
 The weights in packed groups (`pack_small`: biases, norm scales, small kernels, each
 under 65536 values) are updated after the backward pass, as ordinarily: their gradients
 are small. The cost is the first pass (a forward and a backward pass more: about 2x the
@@ -46,16 +54,22 @@ from __future__ import annotations
 import functools
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_mp.keras_glue import keras_internals
-from keras_mp.lean.rule import lean_rule, to_float32
+from keras_mp.lean.backward_tags import (
+    chained,
+    first_reads,
+    from_carrier,
+    stats_tag,
+    to_carrier,
+    update_tag,
+)
+from keras_mp.lean.rule import to_float32
 
 __all__ = ["attach", "check", "train_step"]
 
 _NAME = "LeanOptimizer(update_in_backward=True)"
-_CARRIER = "float8_e4m3fn"  # integer state's bits travel as a float of the same width
 
 
 def check(optimizer) -> None:
@@ -118,145 +132,6 @@ def attach(model) -> bool:
     object.__setattr__(model, "train_step", step)
     model.train_function = None
     return True
-
-
-def _float0_or_zeros(x):
-    import jax
-
-    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
-        return jax.numpy.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
-
-
-def _to_carrier(x):
-    import jax
-
-    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
-        return x
-    return jax.lax.bitcast_convert_type(x, _CARRIER)
-
-
-def _from_carrier(x, dtype):
-    import jax
-
-    if x.dtype == dtype:
-        return x
-    return jax.lax.bitcast_convert_type(x, dtype)
-
-
-@functools.cache
-def _stats_tag():
-    """`tag(w, s, scale, token) = (w, token)`; the backward pass gives `s` the gradient's
-    `[sum of squares in float32, 1.0 if not finite]`, `w` no gradient (the first pass
-    asks for none) and `token` its cotangent once the stats are made (`_chained`)."""
-    import jax
-    import jax.numpy as jnp
-
-    @jax.custom_vjp
-    def tag(w, s, scale, token):
-        return w, token
-
-    def fwd(w, s, scale, token):
-        return (w, token), (w, scale)
-
-    def bwd(res, cotangents):
-        (g, token), (w, scale) = jax.lax.optimization_barrier((cotangents, res))
-        g32 = g.astype("float32")
-        if scale is not None:
-            g32 = g32 / scale
-        stats = jnp.stack(
-            [jnp.sum(jnp.square(g32)), 1.0 - jnp.all(jnp.isfinite(g32)).astype("float32")]
-        )
-        stats, token = jax.lax.optimization_barrier((stats, token))
-        zero_scale = None if scale is None else jnp.zeros_like(scale)
-        return jnp.zeros_like(w), stats, zero_scale, token
-
-    tag.defvjp(fwd, bwd)
-    return tag
-
-
-def _update_tag(static, hyper, names: tuple, dtypes: tuple, process):
-    """`tag(w, carriers, scalars, token) = (w, token)`; the backward pass runs the
-    weight's update and gives `w` and `carriers` the new weight and state (`carriers` in
-    `names`' order, stored as `dtypes`), `scalars` zeros and `token` its cotangent once
-    the update is made (`_chained`)."""
-    import jax
-
-    @jax.custom_vjp
-    def tag(w, carriers, scalars, token):
-        return w, token
-
-    def fwd(w, carriers, scalars, token):
-        return (w, token), (w, carriers, scalars)
-
-    def bwd(res, cotangents):
-        (g, token), (w, carriers, scalars) = jax.lax.optimization_barrier((cotangents, res))
-        values = dict(scalars)
-        values.update(
-            {n: _from_carrier(c, d) for n, c, d in zip(names, carriers, dtypes)}, weight=w
-        )
-        values.update(process(g, values))
-        new = lean_rule(static, hyper, values)
-        out = tuple(_to_carrier(new[n]) for n in names)
-        weight, out, token = jax.lax.optimization_barrier((new["weight"], out, token))
-        return weight, out, jax.tree.map(_float0_or_zeros, scalars), token
-
-    tag.defvjp(fwd, bwd)
-    return tag
-
-
-def _chained(weights, order, tag_of):
-    """`(tagged weights, token)`: each weight `i` in `order` through `tag_of(i)(w, token)`,
-    one float32 token threaded through them all in that order.
-
-    In the backward pass the token comes back through the tags in the reverse order, each
-    tag's work (its weight's update, or its gradient's stats) behind the previous one's:
-    XLA may then neither merge the work of many weights into one kernel (GPU horizontal
-    fusion: alike updates of every layer would wait for the last of their gradients) nor
-    put one off to the end of the step, holding its gradient. `order` is the order in
-    which the forward pass first reads the weights (`_first_reads`), so each gradient's
-    work waits only for the gradients made before it."""
-    import jax.numpy as jnp
-
-    tagged = list(weights)
-    token = jnp.zeros((), "float32")
-    for i in order:
-        tagged[i], token = tag_of(i)(weights[i], token)
-    return tagged, token
-
-
-def _first_reads(loss, weights) -> list:
-    """The indices of `weights` in the order `loss(weights)`'s forward pass first reads
-    them (from its jaxpr, nested calls followed); weights it never reads come last."""
-    import jax
-
-    specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
-    closed = jax.make_jaxpr(loss)(specs)
-    first: dict = {}
-    clock = [0]
-
-    def walk(jaxpr, names: dict):
-        for eqn in jaxpr.eqns:
-            clock[0] += 1
-            inner = [
-                p.jaxpr if hasattr(p, "jaxpr") and hasattr(p, "consts") else p
-                for p in eqn.params.values()
-            ]
-            inner = [j for j in inner if hasattr(j, "eqns") and len(j.invars) == len(eqn.invars)]
-            for k, var in enumerate(eqn.invars):
-                index = names.get(var) if hasattr(var, "aval") and not hasattr(var, "val") else None
-                if index is None:
-                    continue
-                if inner:  # a nested call: the weight's first read inside it
-                    walk(inner[0], {inner[0].invars[k]: index})
-                first.setdefault(index, clock[0])
-
-    walk(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars)})
-    return sorted(range(len(weights)), key=lambda i: (first.get(i, float("inf")), i))
-
-
-def _stats_call(tag, s, scale, w, token):
-    return tag(w, s, scale, token)
 
 
 def _clipper(optimizer, stats):
@@ -330,18 +205,17 @@ def train_step(model, state, data):
         )
 
     # The order in which the backward pass makes the gradients: the reverse of the forward
-    # pass's first reads. Each pass threads one token through the weights in that order.
-    order = _first_reads(lambda values: loss_of(values)[0], list(trainable))
+    # pass's first reads; the updating pass threads one token through them in that order.
+    order = first_reads(lambda values: loss_of(values)[0], list(trainable))
 
     # Pass 1: each gradient reduced to its float32 sum of squares and finiteness as made.
-    stats_tag = _stats_tag()
+    first_tag = stats_tag()
 
     def first(stats):
         # not chained: threaded, XLA:GPU makes the gradients of many layers ahead of their
         # turn and holds them (Llama-3-8B: 32.94 GiB chained, 31.14 not; BENCHMARKS 23)
         tagged = [
-            _stats_call(stats_tag, s, scale, w, jnp.zeros((), "float32"))[0]
-            for w, s in zip(trainable, stats)
+            first_tag(w, s, scale, jnp.zeros((), "float32"))[0] for w, s in zip(trainable, stats)
         ]
         return loss_of(tagged)[0]
 
@@ -365,14 +239,14 @@ def train_step(model, state, data):
                 continue
             static, values, writes = opt._inputs(None, v, lr)
             names = tuple(n for n in writes if n != "weight")
-            carriers = tuple(_to_carrier(values[n]) for n in names)
+            carriers = tuple(to_carrier(values[n]) for n in names)
             dtypes = tuple(values[n].dtype for n in names)
             scalars = {
                 k: values[k] for k in ("lr", "iterations", "seed", "weight_decay") if k in values
             }
             scalars["step_finite"] = finite
             process = _processor(opt, finite, clip, raw)
-            tag = _update_tag(static, opt._hyper(), names, dtypes, process)
+            tag = update_tag(static, opt._hyper(), names, dtypes, process)
             inputs.append((tag, carriers, scalars, writes, names))
 
     # Pass 2: the large weights' updates in the backward pass; the small ones' gradients.
@@ -382,7 +256,7 @@ def train_step(model, state, data):
         def tag_of(i):
             return lambda w, token: inputs[i][0](w, carriers[i], inputs[i][2], token)
 
-        tagged, token = _chained(weights, big_order, tag_of)
+        tagged, token = chained(weights, big_order, tag_of)
         loss, aux = loss_of(tagged)
         return loss + 0.0 * token, aux
 
@@ -404,7 +278,7 @@ def train_step(model, state, data):
             _, _, _, writes, names = inp
             opt.assign(v, new)
             for n, c in zip(names, carried):
-                opt.assign(writes[n], _from_carrier(c, writes[n].dtype))
+                opt.assign(writes[n], from_carrier(c, writes[n].dtype))
         if small_vars:
             from keras_mp.lean import packed_step
 
