@@ -56,6 +56,8 @@ turned off with `KERAS_MP_LEAN_CHUNK=0` in every row without it) combine with `+
 `@recompute` (`kmp.recompute_elementwise`), `@blocks` (`kmp.recompute_blocks`: the same
 step as `@remat`, applied to the built model), `@blocks_matmuls` (`save="matmuls"`).
 `--batch N` compiles N sequences a step on one device.
+`@backward` (lever 1: each weight's lean update inside the backward pass,
+`keras_mp.lean.in_backward`): `lean@fused+chunked+backward`.
 
 `--tiny` builds a small model (vocabulary 512, 2 layers) to check the pipeline in seconds.
 """
@@ -139,6 +141,7 @@ SUFFIXES = {
     "blocks_matmuls": "kmp.recompute_blocks(save='matmuls'): per block, matmul outputs saved",
     "fused": "kmp.use_fused_loss (lever 3)",
     "chunked": "the lean update in row blocks (lever 2)",
+    "backward": "each weight's lean update inside the backward pass (lever 1)",
 }
 POLICIES = {
     "stock_mixed_bfloat16": "mixed_bfloat16",
@@ -396,6 +399,12 @@ def step_record(
             from keras_mp.memory.blocks import recompute_blocks
 
             recompute_blocks(model, save=save)
+    if "backward" in levers:  # lever 1: each weight's lean update in the backward pass
+        from keras_mp.lean import in_backward
+
+        model.optimizer.update_in_backward = True  # the same state; only the step differs
+        in_backward.check(model.optimizer)
+        in_backward.attach(model)
     if distribution is None:
         batch = batch_size or batch
         default = jax.sharding.SingleDeviceSharding(devices[0])
@@ -448,6 +457,7 @@ def step_record(
         ),
         "fused_loss": "fused" in levers,
         "chunked_update": "chunked" in levers,
+        "update_in_backward": "backward" in levers,
         "devices": len(devices),
         "mesh": mesh if distribution is not None else None,
         "distribution": type(distribution).__name__ if distribution is not None else None,

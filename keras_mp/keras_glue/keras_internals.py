@@ -51,6 +51,7 @@ __all__ = [
     "set_initial_epoch",
     "set_keras_mask",
     "stored_value",
+    "update_metrics_variables",
     "symbolic_build",
     "track_optimizer_variables",
     "untracked_optimizer_variables",
@@ -215,6 +216,12 @@ def track_optimizer_variables(optimizer, variables) -> None:
     """Appends `variables` to `optimizer.variables` (Keras' own `_track_variable`)."""
     for v in variables:
         optimizer._track_variable(v)
+
+
+def update_metrics_variables(model, metrics_values, loss, x, y, y_pred, sample_weight):
+    """Keras' JAX trainer's end of a train step: `(logs, metrics_values)` with the
+    loss tracker and compiled metrics updated (`JAXTrainer._update_metrics_variables`)."""
+    return model._update_metrics_variables(metrics_values, loss, x, y, y_pred, sample_weight)
 
 
 def stored_value(variable):

@@ -7,7 +7,8 @@ packed groups and whole-step update, `packed_step.py`), the storage
 formats (`codecs.py`; the factored second moment, `factored.py`), the general path for
 any other Keras optimizer (`general.py`), the state's layout across devices (`sharding.py`) and
 `state_bytes` (`memory.py`); `ema_update` (`ema.py`), moving averages of lean weights
-that move.
+that move; the update inside the backward pass (JAX, `in_backward.py`, its custom-VJP tags
+in `backward_tags.py`), imported where a model is compiled with it.
 """
 
 from keras_mp.lean import codecs, factored, general, packing, rule, sharding

@@ -152,6 +152,10 @@ class LeanOptimizer(LeanState, LeanStep, keras.optimizers.Optimizer):
             not with `shard_over_data` or the general path, which keep one state per
             variable). Files saved before 2026-12-04 load with `pack_small=False`, the
             layout they were written in.
+        update_in_backward: JAX: `fit` updates each weight inside the backward pass as
+            soon as its gradient is made, so no whole-model gradient is held
+            (`keras_mp.lean.in_backward`; a first pass for the step's finiteness and
+            norm: about twice the compute). Not with gradient accumulation.
         name: optimizer name.
 
     Example:
@@ -173,6 +177,7 @@ class LeanOptimizer(LeanState, LeanStep, keras.optimizers.Optimizer):
         min_quantized_size: int = 64,
         shard_over_data: bool = False,
         pack_small: bool = True,
+        update_in_backward: bool = False,
         name: str | None = None,
         **kwargs,
     ):
@@ -223,6 +228,16 @@ class LeanOptimizer(LeanState, LeanStep, keras.optimizers.Optimizer):
                 f"LeanOptimizer: invalid `pack_small`={pack_small!r}: expected True or False."
             )
         self.pack_small = pack_small
+        if not isinstance(update_in_backward, bool):
+            raise ValueError(
+                "LeanOptimizer: invalid `update_in_backward`="
+                f"{update_in_backward!r}: expected True or False."
+            )
+        self.update_in_backward = update_in_backward
+        if update_in_backward:
+            from keras_mp.lean import in_backward
+
+            in_backward.check(self)
         # Small variables that keep a state of their own (`pack_small=False`, a layout
         # split across devices) are grouped for each step (`packing.stack`) on TensorFlow;
         # on JAX each is traced into the step (XLA fuses them there).
@@ -344,6 +359,8 @@ class LeanOptimizer(LeanState, LeanStep, keras.optimizers.Optimizer):
             "shard_over_data": self.shard_over_data,
             "pack_small": self.pack_small,
         }
+        if self.update_in_backward:
+            own["update_in_backward"] = True
         if self._general is not None:
             inner_config = dict(self._general.serialized)
             inner_config["config"] = {
@@ -388,6 +405,7 @@ def _split_config(config: dict, custom_objects=None) -> tuple:
             "min_quantized_size",
             "shard_over_data",
             "pack_small",
+            "update_in_backward",
             "name",
         )
         if k in config

@@ -40,6 +40,14 @@ class LeanStep:
 
     def apply(self, grads, trainable_variables=None):
         """Applies one step; gradients are taken to float32 first (clipping included)."""
+        if getattr(self, "update_in_backward", False):
+            raise RuntimeError(
+                f"LeanOptimizer {self.name!r} has update_in_backward=True: its updates run "
+                "inside the backward pass of the model's fit (keras_mp.lean.in_backward), "
+                "not from gradients applied afterwards. Compile the model with keras_mp "
+                "imported (or call keras_mp.lean.in_backward.attach(model) after compile), "
+                "or build the optimizer with update_in_backward=False for a custom loop."
+            )
         variables = trainable_variables or getattr(self, "_trainable_variables", None)
         raw = self._raw_gradients(grads, variables)
         grads = [g if g is None or r else to_float32(g) for g, r in zip(grads, raw)]

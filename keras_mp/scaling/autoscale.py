@@ -274,6 +274,10 @@ def install() -> None:
         passed = "optimizer" in bound.arguments
         bound.apply_defaults()
         _after_compile(self, bound.arguments, optimizer_passed=passed)
+        if keras.backend.backend() == "jax":
+            from keras_mp.lean import in_backward
+
+            in_backward.attach(self)  # LeanOptimizer(update_in_backward=True)
         return result
 
     compile._keras_mp_autoscale = True
