@@ -66,6 +66,16 @@ SAME_ON_ANY_KERAS=(
   --deselect tests/test_lean.py::test_small_updates_accumulate_under_kahan_not_under_nearest
   --deselect tests/test_lean.py::test_int8_moments_stay_close_to_keras_adamw
   --deselect tests/test_loss_scale.py::test_rule_matches_reference_on_thousands_of_sequences
+  --deselect tests/test_lean.py::test_bfloat16_weights_follow_mixed_bfloat16_training
+  --deselect tests/test_layers.py::test_layer_norm_trains_in_graph_and_xla_with_optional_parameters
+  --deselect "tests/test_nonfinite_steps.py::test_converting_a_lean_model_gives_float32_master_weights[mixed"
+  # the longest end-to-end runs, on the newest Keras only (CI time, 2026-12-06: the two
+  # other-Keras passes are in the second lane, the longer one; these took 55 s of each
+  # on the project's CPU): lean under a MirroredStrategy, keras_hub models (keras_hub does
+  # not import on the nightly anyway)
+  --deselect tests/test_lean.py::test_mirrored_strategy_keeps_each_variables_own_state
+  --deselect tests/test_lean.py::test_keras_hub_gpt2_trains_lean
+  --deselect tests/test_policies.py::test_moe_router_runs_in_float32_and_keras_hub_mixtral_trains
 )
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$which" = nightly ]; then

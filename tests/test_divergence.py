@@ -138,7 +138,7 @@ def _fit_warnings(model, x, y, **kwargs):
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        history = model.fit(x, y, batch_size=32, epochs=10, verbose=0, **kwargs)
+        history = model.fit(x, y, batch_size=32, epochs=4, verbose=0, **kwargs)
     words = [str(w.message) for w in seen if "divergence check" in str(w.message)]
     return history, words
 
@@ -147,10 +147,10 @@ def _fit_warnings(model, x, y, **kwargs):
 def test_fit_warns_of_a_divergence_with_no_callback_and_runs_on(policy):
     """Harness finding H6: lr 1e3 under bfloat16 ran all its steps to chance accuracy with
     no word when `fit` had no keras_mp callback. fit's default check warns once, naming the
-    learning rate, and changes nothing: all 10 epochs run."""
+    learning rate, and changes nothing: all 4 epochs (32 steps) run."""
     x, y = _data()
     history, words = _fit_warnings(_model(policy, 1e3), x, y)
-    assert len(history.history["loss"]) == 10
+    assert len(history.history["loss"]) == 4
     assert len(words) == 1, words
     assert "the learning rate (1000) is too high" in words[0]
     assert "KERAS_MP_FIT_GUARD=0" in words[0] and "DivergenceGuard()" in words[0]
@@ -163,7 +163,7 @@ def test_fit_default_check_leaves_float32_own_guards_and_opt_out(monkeypatch):
     # the user's own guard stops the run; no second word from the default one
     guard = kmp.callbacks.DivergenceGuard()
     history, words = _fit_warnings(_model("mixed_bfloat16", 1e3), x, y, callbacks=[guard])
-    assert guard.stopped_step is not None and len(history.history["loss"]) < 10
+    assert guard.stopped_step is not None and len(history.history["loss"]) < 4
     assert words == []
     monkeypatch.setenv("KERAS_MP_FIT_GUARD", "0")
     assert _fit_warnings(_model("mixed_bfloat16", 1e3), x, y)[1] == []
