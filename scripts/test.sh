@@ -21,7 +21,7 @@ other_keras_pass() {
   for which in ${KMP_TEST_OTHER_KERAS:-}; do
     rc=0
     bash scripts/test_other_keras.sh "$which" "$@" || rc=$?
-    echo "=== Keras '$which' pass: exit $rc ==="
+    echo "=== Keras '$which' pass: exit $rc (its lane at ${SECONDS}s) ==="
     [ "$rc" -eq 0 ] || failed=1
   done
   return "$failed"
@@ -31,7 +31,7 @@ other_keras_pass() {
 second_lane() {
   local jax_rc=0 other_rc=0
   jax_pass "$@" || jax_rc=$?
-  echo "=== JAX pass: exit $jax_rc ==="
+  echo "=== JAX pass: exit $jax_rc (second lane at ${SECONDS}s) ==="
   other_keras_pass "$@" || other_rc=$?
   [ "$jax_rc" -eq 0 ] && [ "$other_rc" -eq 0 ]
 }
@@ -47,9 +47,10 @@ second_lane "$@" > "$lane_log" 2>&1 &
 lane_pid=$!
 tf_rc=0
 tf_pass "$@" || tf_rc=$?
+tf_done=$SECONDS
 lane_rc=0
 wait "$lane_pid" || lane_rc=$?
 echo "=== second lane (JAX pass, then any other-Keras passes) ==="
 cat "$lane_log"
-echo "=== TensorFlow pass: exit $tf_rc; second lane: exit $lane_rc ==="
+echo "=== TensorFlow pass: exit $tf_rc (at ${tf_done}s); second lane: exit $lane_rc (both at ${SECONDS}s) ==="
 [ "$tf_rc" -eq 0 ] && [ "$lane_rc" -eq 0 ]
