@@ -355,6 +355,7 @@ def test_keras_hub_gpt2_trains_lean():
 
 
 @pytest.mark.tf_only
+@pytest.mark.slow  # CI time (2026-12-06): runs with -m slow
 def test_mirrored_strategy_keeps_each_variables_own_state():
     """Under a tf.distribute strategy every variable is updated from its own compensation
     and moments. A transformer has many variables of one shape and dtype (its norms'

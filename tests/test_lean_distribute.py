@@ -109,6 +109,7 @@ def jax_devices():
     return _run("jax")
 
 
+@pytest.mark.slow  # CI time (2026-12-06): runs with -m slow
 def test_jax_lean_state_is_placed_like_the_weights(jax_devices):
     single = jax_devices["single"]
     assert single["devices"] == 1 and 2.9 < single["state_bytes"] < 3.2
@@ -124,6 +125,7 @@ def test_jax_lean_state_is_placed_like_the_weights(jax_devices):
     )
 
 
+@pytest.mark.slow  # CI time (2026-12-06): runs with -m slow
 def test_jax_shard_over_data_splits_the_state(jax_devices):
     for name in ("data_parallel_split", "model_parallel_2x2_split"):
         entry = jax_devices[name]
@@ -132,6 +134,7 @@ def test_jax_shard_over_data_splits_the_state(jax_devices):
     assert jax_devices["data_parallel_split"]["weight_bytes"] == 2.0
 
 
+@pytest.mark.slow  # CI time (2026-12-06): runs with -m slow
 def test_jax_distributed_lean_matches_one_device(jax_devices):
     single, mixed = jax_devices["single"], jax_devices["mixed_single"]
     for name, mixed_name in [
@@ -153,6 +156,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # CI time (2026-12-06): runs with -m slow
 def test_jax_two_processes_train_lean_bit_identical(jax_devices):
     port = str(_free_port())
     logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(2)]

@@ -583,6 +583,7 @@ def test_unpinned_normalization_layers_keep_fp32_statistics(policy_name):
 
 
 @pytest.mark.tf_only
+@pytest.mark.slow  # CI time (2026-12-06): runs with -m slow
 def test_moe_router_runs_in_float32_and_keras_hub_mixtral_trains():
     """keras_hub's Mixtral fails to train under stock Keras mixed precision on TensorFlow:
     its load-balancing loss multiplies low-precision router probabilities by a float32

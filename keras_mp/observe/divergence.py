@@ -49,6 +49,7 @@ __all__ = [
     "initial_norm",
     "learning_rate",
     "learning_rate_advice",
+    "learning_rate_at_step",
     "weight_norm",
 ]
 
@@ -246,9 +247,31 @@ def learning_rate(model) -> float | None:
         return None
 
 
-def learning_rate_advice(model) -> str:
-    """The fixes for a learning-rate blow-up, naming the current rate."""
-    lr = learning_rate(model)
+def learning_rate_at_step(model):
+    """A function `step -> learning rate` read now, before `fit` runs (None if unknown).
+
+    Read when training begins: during `fit` on JAX the optimizer's variables are freed
+    and the training state's buffers are donated step to step, so a callback running on
+    Keras' worker thread cannot read them safely. A schedule is evaluated at the
+    optimizer's iteration count then plus the steps since.
+    """
+    opt = getattr(model, "optimizer", None)
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        opt = opt.inner_optimizer
+    try:
+        lr = opt._learning_rate
+        if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+            start = int(keras.ops.convert_to_numpy(opt.iterations))
+            return lambda step: float(keras.ops.convert_to_numpy(lr(start + step)))
+        value = float(keras.ops.convert_to_numpy(lr))
+        return lambda step: value
+    except Exception:  # noqa: BLE001 - a custom optimizer without one
+        return None
+
+
+def learning_rate_advice(model, lr: float | None = None) -> str:
+    """The fixes for a learning-rate blow-up, naming the rate (`lr`, or the current one)."""
+    lr = learning_rate(model) if lr is None else lr
     named = f"the learning rate ({lr:g})" if lr is not None else "the learning rate"
     lower = f" (e.g. {lr / 10:g})" if lr else ""
     return (
@@ -296,8 +319,11 @@ def evidence(trend: LossTrend, growth: float | None) -> str:
     return "; ".join(parts)
 
 
-def divergence_diagnosis(model, trend: LossTrend, norm0: float | None, step: int):
-    """`(cause, sentence)` for a loss that diverged by step `step`."""
+def divergence_diagnosis(
+    model, trend: LossTrend, norm0: float | None, step: int, lr: float | None = None
+):
+    """`(cause, sentence)` for a loss that diverged by step `step` (`lr`: the learning
+    rate then, where the caller knows it)."""
     growth = growth_since(norm0, model)
     cause = cause_of_overflow(trend, growth)
     seen = evidence(trend, growth)
@@ -309,7 +335,7 @@ def divergence_diagnosis(model, trend: LossTrend, norm0: float | None, step: int
         )
     else:
         cause = "learning_rate"
-        advice = "This is a divergence: " + learning_rate_advice(model)
+        advice = "This is a divergence: " + learning_rate_advice(model, lr)
     return cause, f"Divergence at step {step}: {seen}. {advice}"
 
 
@@ -391,6 +417,7 @@ class DivergenceGuard(keras.callbacks.Callback):
         self._first_epoch = self._epoch = None
         self.trend = LossTrend(self.factor, self.rise_fraction, self.min_steps)
         self._norm0 = initial_norm(self._model)
+        self._lr_at = learning_rate_at_step(self._model)
         self._risen = 0
         self.diagnosis = self.cause = self.stopped_step = None
 
@@ -407,8 +434,9 @@ class DivergenceGuard(keras.callbacks.Callback):
     def _fire(self):
         model = self._model  # not `self.model`: no JAX state sync from Keras' callback thread
         self.stopped_step = self.trend.steps
+        lr = self._lr_at(self.stopped_step) if self._lr_at else None
         self.cause, self.diagnosis = divergence_diagnosis(
-            model, self.trend, self._norm0, self.stopped_step
+            model, self.trend, self._norm0, self.stopped_step, lr
         )
         if self.action == "warn":
             warnings.warn(self.warning_prefix + self.diagnosis, UserWarning, stacklevel=2)

@@ -44,6 +44,7 @@ def _check_layers(model, converted, low, output_name):
     return counts
 
 
+@pytest.mark.tf_only  # CI time (2026-12-06): the JAX pass leaves it out
 def test_convert_mobilenetv2():
     model = keras.applications.MobileNetV2(
         weights=None, input_shape=(32, 32, 3), alpha=0.35, classes=10, classifier_activation=None
@@ -147,6 +148,7 @@ def _language_model_losses(policy):
     return np.array(history.history["loss"])
 
 
+@pytest.mark.slow  # CI time (2026-12-06): runs with -m slow
 def test_language_model_with_low_precision_head_trains_like_float32():
     """The default recipe (logits projection in the compute dtype, fused FP32 loss, FP32
     attention softmax) follows the FP32 loss curve: measured max |difference| 0.0005 (TF) /
