@@ -99,6 +99,7 @@ def test_two_kills_mid_epoch_resume_bit_identical_lean_bfloat16(worker):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # CI time (2026-12-06): Keras' own callback, shown; ours is tested above
 def test_keras_backup_and_restore_repeats_batches_under_the_same_kills(worker):
     """The counter-check: Keras' own callback resumes at the epoch's first batch."""
     run, w = worker("mixed_float16")
