@@ -5,6 +5,7 @@ import functools
 import keras
 import numpy as np
 import pytest
+from test_recompute import _saved_bytes  # the residuals jax.vjp keeps, weights left out
 
 import keras_mp as kmp
 from keras_mp.memory.blocks import find_blocks
@@ -152,23 +153,6 @@ def test_the_blocks_run_again_in_the_backward_pass():
             assert sorted(counted) == sorted(["transformer_layer_0", "transformer_layer_1"] * runs)
     finally:
         decoder.call = call
-
-
-def _saved_bytes(model, x):
-    """Bytes `jax.vjp` keeps for the backward pass, the weights themselves left out."""
-    import jax
-
-    trainable = [v.value for v in model.trainable_variables]
-    others = [v.value for v in model.non_trainable_variables]
-
-    def forward(trainable):
-        out, _ = model.stateless_call(trainable, others, x, training=True)
-        return keras.ops.mean(keras.ops.cast(out, "float32"))
-
-    _, vjp = jax.vjp(forward, trainable)
-    given = {id(a) for a in trainable + others}
-    leaves = jax.tree_util.tree_leaves(vjp)
-    return sum(a.nbytes for a in leaves if hasattr(a, "nbytes") and id(a) not in given)
 
 
 @pytest.mark.slow
