@@ -139,6 +139,14 @@ def peak_buffer_record(dump_dir: str, shapes: list, hlo_text: str) -> dict:
     return record
 
 
+def _live_ranges(dump_dir: str) -> str:
+    """The newest train step's live-range dump in `dump_dir` (XLA's buffer assignment)."""
+    files = glob.glob(os.path.join(dump_dir, "*train_step*live-range.txt"))
+    newest = max(files, key=lambda path: int(re.search(r"module_(\d+)", path).group(1)))
+    with open(newest) as f:
+        return f.read()
+
+
 def phase_peaks(dump_dir: str, shapes: list, hlo_text: str) -> dict:
     """The replay's peaks by phase of the newest train step: before the first backward-pass
     value (`forward`), up to the last one made (`backward`), after it (`update`); each with
@@ -155,10 +163,7 @@ def phase_peaks(dump_dir: str, shapes: list, hlo_text: str) -> dict:
     Returns:
         A dict of GiB, keys `phase_{forward,backward,update}_{held,freed}_gib`.
     """
-    files = glob.glob(os.path.join(dump_dir, "*train_step*live-range.txt"))
-    newest = max(files, key=lambda path: int(re.search(r"module_(\d+)", path).group(1)))
-    with open(newest) as f:
-        text = f.read()
+    text = _live_ranges(dump_dir)
     sizes = {math.prod(shape) for shape in shapes}
     instructions = _instructions(hlo_text)
     values = []
@@ -207,10 +212,7 @@ def forward_level(
     Returns:
         GiB.
     """
-    files = glob.glob(os.path.join(dump_dir, "*train_step*live-range.txt"))
-    newest = max(files, key=lambda path: int(re.search(r"module_(\d+)", path).group(1)))
-    with open(newest) as f:
-        text = f.read()
+    text = _live_ranges(dump_dir)
     sizes = {math.prod(shape) for shape in shapes}
     instructions = _instructions(hlo_text)
     pattern = re.compile(backward)
